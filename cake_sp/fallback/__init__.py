@@ -1,0 +1,1 @@
+"""The NCCL path: projection, QK norm + RoPE, one all_to_all_single, unpack."""

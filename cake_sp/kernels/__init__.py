@@ -1,0 +1,1 @@
+"""Device code: Triton kernels, one concern per module."""

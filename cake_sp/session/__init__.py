@@ -1,0 +1,1 @@
+"""The prepared session: validation, backend choice, symmetric memory and the NVLink path."""
