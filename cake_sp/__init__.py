@@ -1,0 +1,12 @@
+"""cake_sp: the attention front end of a sequence-parallel (Ulysses) transformer layer.
+
+Public names only; see ``docs/guide.md``.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+# -- session (QkvNormRopeExchangeOverlap, UlyssesBackendError) --
+# -- paged KV-cache append kernels --
+# -- paged FMHA --

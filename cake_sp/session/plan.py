@@ -1,0 +1,169 @@
+"""Host-only planning: which heads each rank receives, where a tile lands, where readiness lives.
+
+Vocabulary: a *kind* is one of Q, K, V; a *band* is the run of heads of one
+kind that one destination rank receives; a *tile* is ``BLOCK_M`` token rows of
+one head.  Nothing here touches a device; the kernels take these numbers as
+arguments, and the unit tests check them on synthetic shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KIND_Q, KIND_K, KIND_V = 0, 1, 2
+LAYOUTS = ("bshd", "fused")
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """The Ulysses head split of ``num_q_heads`` / ``num_kv_heads`` heads over ``world_size`` ranks.
+
+    Rank ``r`` receives Q heads ``[r * q_per_rank, (r + 1) * q_per_rank)`` and
+    the K/V heads its Q band uses: ``kv_per_rank`` of them when the K/V heads
+    split (``Hkv % W == 0``), or the single head its band shares with
+    ``kv_replicas`` ranks when they replicate (``W % Hkv == 0``).
+
+    Raises ``ValueError`` on any other shape, naming the argument.
+    """
+
+    world_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        w, hq, hkv = self.world_size, self.num_q_heads, self.num_kv_heads
+        for name, value in (("world_size", w), ("num_q_heads", hq), ("num_kv_heads", hkv),
+                            ("head_dim", self.head_dim)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if hq % hkv != 0:
+            raise ValueError(
+                f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+        if hq % w != 0:
+            raise ValueError(
+                f"num_q_heads ({hq}) must be divisible by the world size ({w})")
+        if hkv % w != 0 and w % hkv != 0:
+            raise ValueError(
+                f"num_kv_heads ({hkv}) must divide, or be divisible by, the world size ({w}) "
+                "so that K/V heads either split or replicate across ranks")
+
+    @property
+    def q_per_rank(self) -> int:
+        return self.num_q_heads // self.world_size
+
+    @property
+    def kv_per_rank(self) -> int:
+        return max(1, self.num_kv_heads // self.world_size)
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many ranks receive each K/V head (1 when the K/V heads split)."""
+        return max(1, self.world_size // self.num_kv_heads)
+
+    @property
+    def heads_per_rank(self) -> int:
+        """Head bands one rank receives from each source: Q, then K, then V."""
+        return self.q_per_rank + 2 * self.kv_per_rank
+
+    @property
+    def total_heads(self) -> int:
+        """Heads in the projection: ``Hq + 2 * Hkv`` (rows of ``qkv_weight`` / ``head_dim``)."""
+        return self.num_q_heads + 2 * self.num_kv_heads
+
+    def kind_heads(self, kind: int) -> int:
+        """Local heads of ``kind`` at one destination."""
+        return self.q_per_rank if kind == KIND_Q else self.kv_per_rank
+
+    def kind_offset(self, kind: int) -> int:
+        """Index of the first head of ``kind`` among the ``heads_per_rank`` local heads."""
+        return (0, self.q_per_rank, self.q_per_rank + self.kv_per_rank)[kind]
+
+    def destinations(self, head: int) -> list[tuple[int, int, int]]:
+        """``(rank, kind, local_head)`` for every rank that receives projection head ``head``."""
+        hq, hkv = self.num_q_heads, self.num_kv_heads
+        if head < hq:
+            return [(head // self.q_per_rank, KIND_Q, head % self.q_per_rank)]
+        kind, j = (KIND_K, head - hq) if head < hq + hkv else (KIND_V, head - hq - hkv)
+        first = (j // self.kv_per_rank) * self.kv_replicas
+        return [(first + t, kind, j % self.kv_per_rank) for t in range(self.kv_replicas)]
+
+    def source_heads(self, rank: int, kind: int) -> range:
+        """Global head indices within ``kind`` that ``rank`` receives, in local order."""
+        if kind == KIND_Q:
+            return range(rank * self.q_per_rank, (rank + 1) * self.q_per_rank)
+        first = (rank // self.kv_replicas) * self.kv_per_rank
+        return range(first, first + self.kv_per_rank)
+
+
+@dataclass(frozen=True)
+class DestLayout:
+    """Where a destination buffer keeps each kind: element offsets into one bf16 buffer.
+
+    Token ``t`` (``t = b * seq_len + seq_offset + s`` for source row ``b * S_local + s``)
+    of local head ``h`` of ``kind`` starts at element
+    ``region_offset[kind] + t * token_stride[kind] + h * head_stride[kind]`` and
+    spans ``head_dim`` contiguous elements.
+    """
+
+    region_offset: tuple[int, int, int]
+    token_stride: tuple[int, int, int]
+    head_stride: tuple[int, int, int]
+    seq_len: int
+
+    @classmethod
+    def for_layout(cls, plan: HeadPlan, layout: str, token_capacity: int,
+                   seq_len: int) -> DestLayout:
+        """Layout of a buffer of ``token_capacity`` tokens whose batch entries hold ``seq_len`` tokens.
+
+        ``"bshd"``: three contiguous regions ``[B, seq_len, H_kind, D]`` (Q, K, V) at
+        fixed offsets, so each is a contiguous prefix whatever the call's batch.
+        ``"fused"`` (Hq == Hkv only): one ``[B, seq_len, H_local, 3 * D]`` region, q|k|v per head.
+        """
+        d = plan.head_dim
+        hq, hkv = plan.q_per_rank, plan.kv_per_rank
+        if layout == "bshd":
+            return cls(
+                region_offset=(0, token_capacity * hq * d, token_capacity * (hq + hkv) * d),
+                token_stride=(hq * d, hkv * d, hkv * d),
+                head_stride=(d, d, d),
+                seq_len=seq_len,
+            )
+        if layout == "fused":
+            if plan.num_q_heads != plan.num_kv_heads:
+                raise ValueError(
+                    f"layout='fused' needs num_q_heads == num_kv_heads, got "
+                    f"{plan.num_q_heads} and {plan.num_kv_heads}")
+            return cls(region_offset=(0, d, 2 * d), token_stride=(3 * hq * d,) * 3,
+                       head_stride=(3 * d,) * 3, seq_len=seq_len)
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+    @staticmethod
+    def buffer_elements(plan: HeadPlan, token_capacity: int) -> int:
+        """bf16 elements a buffer of ``token_capacity`` tokens needs (either layout)."""
+        return token_capacity * plan.heads_per_rank * plan.head_dim
+
+
+@dataclass(frozen=True)
+class ReadinessLayout:
+    """The int64 readiness words one destination keeps: one per (source, row block, local head).
+
+    Word ``source * max_row_blocks * heads_per_rank + row_block * heads_per_rank + local``
+    (``local = plan.kind_offset(kind) + head``) holds the epoch of the last call
+    whose tile was stored.  Words only grow, so no memset is needed between calls.
+    """
+
+    world_size: int
+    max_row_blocks: int
+    heads_per_rank: int
+
+    @classmethod
+    def for_plan(cls, plan: HeadPlan, max_tokens: int, block_m: int) -> ReadinessLayout:
+        return cls(plan.world_size, -(-max_tokens // block_m), plan.heads_per_rank)
+
+    @property
+    def words(self) -> int:
+        return self.world_size * self.max_row_blocks * self.heads_per_rank
+
+    def index(self, source: int, row_block: int, local_head: int) -> int:
+        return (source * self.max_row_blocks + row_block) * self.heads_per_rank + local_head
