@@ -1,0 +1,118 @@
+"""The reference against a second, independently written float64 oracle.
+
+The oracle rotates through complex multiplication and normalises per head in
+float64; the reference works step by step in fp32 with real arithmetic.  They
+must agree within bf16 rounding, and an element off by exactly one bf16 ulp is
+counted (fp32 vs fp64 can land on either side of a rounding boundary).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cake_sp import reference
+
+BF16_TOL = {"atol": 1e-2, "rtol": 1e-2}
+
+
+def _oracle_rank(x, w, b, qn, kn, cos_sin_rows, hq, hkv, style, eps):
+    """float64 projection, norm (with the contract's bf16 roundings) and complex RoPE."""
+    d = w.shape[0] // (hq + 2 * hkv)
+    p = torch.einsum("bsh,nh->bsn", x.double(), w.double())
+    if b is not None:
+        p = p + b.double()
+    p = p.unflatten(-1, (hq + 2 * hkv, d))
+    heads = []
+    for h in range(hq + 2 * hkv):
+        t = p[:, :, h]
+        if h >= hq + hkv:
+            heads.append(t.to(torch.bfloat16))
+            continue
+        weight = qn if h < hq else kn
+        if weight is not None:
+            scale = 1.0 / torch.sqrt((t * t).sum(-1, keepdim=True) / d + eps)
+            t = (t * scale).to(torch.bfloat16).double() * weight.double()
+            t = t.to(torch.bfloat16).double()
+        cos, sin = cos_sin_rows[..., : d // 2].double(), cos_sin_rows[..., d // 2:].double()
+        rot = torch.complex(cos, sin)
+        if style == "interleaved":
+            z = torch.view_as_complex(t.reshape(*t.shape[:-1], d // 2, 2).contiguous())
+            t = torch.view_as_real(z * rot).flatten(-2)
+        else:
+            z = torch.complex(t[..., : d // 2], t[..., d // 2:])
+            t = torch.cat(((z * rot).real, (z * rot).imag), dim=-1)
+        heads.append(t.to(torch.bfloat16))
+    stacked = torch.stack(heads, dim=2)
+    return stacked[:, :, :hq], stacked[:, :, hq:hq + hkv], stacked[:, :, hq + hkv:]
+
+
+def _assert_close_counting_ulps(actual, expected, what):
+    torch.testing.assert_close(actual.float(), expected.float(), **BF16_TOL, msg=what)
+    diff = actual.float() != expected.float()
+    ulp_flips = diff.sum().item()
+    # fp32 vs fp64 arithmetic may put a value on the other side of a bf16
+    # rounding boundary; that is a one-ulp difference and must stay rare.
+    assert ulp_flips <= max(1, actual.numel() // 200), f"{what}: {ulp_flips} elements differ"
+
+
+@pytest.mark.parametrize("style", ["interleaved", "neox"])
+@pytest.mark.parametrize("with_bias,with_norm,with_positions",
+                         [(False, True, False), (True, True, True), (True, False, False),
+                          (False, False, True)])
+@pytest.mark.parametrize("hq,hkv,world", [(4, 4, 2), (8, 2, 4), (8, 2, 8)])
+def test_reference_matches_float64_oracle(style, with_bias, with_norm, with_positions, hq,
+                                          hkv, world):
+    g = torch.Generator().manual_seed(hash((style, with_bias, with_norm, hq, world)) % 2**31)
+    d, hidden, batch, s_local = 128, 96, 2, 5
+    n = (hq + 2 * hkv) * d
+    w = (torch.randn(n, hidden, generator=g) / hidden**0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    qn = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16() if with_norm else None
+    kn = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16() if with_norm else None
+    xs = [torch.randn(batch, s_local, hidden, generator=g).bfloat16() for _ in range(world)]
+    if with_positions:
+        table = reference.rope_cos_sin_table(64, d)
+        positions = [torch.randint(0, 64, (batch, s_local), generator=g) for _ in range(world)]
+        rows = [table[p] for p in positions]
+        tables = table
+    else:
+        tables = [reference.rope_cos_sin_table(batch * s_local, d, base=100.0 + r)
+                  for r in range(world)]
+        positions = None
+        rows = [t.reshape(batch, s_local, d) for t in tables]
+
+    got = reference.qkv_norm_rope_exchange(
+        xs, w, qn, kn, tables, positions, b, num_q_heads=hq, num_kv_heads=hkv,
+        rope_style=style)
+    oracle = [_oracle_rank(x, w, b, qn, kn, rows[r], hq, hkv, style, 1e-6)
+              for r, x in enumerate(xs)]
+    group = hq // hkv
+    for r in range(world):
+        q_heads = range(r * hq // world, (r + 1) * hq // world)
+        kv_heads = sorted({h // group for h in q_heads})
+        want = [torch.cat([o[i][:, :, list(heads)] for o in oracle], dim=1)
+                for i, heads in ((0, q_heads), (1, kv_heads), (2, kv_heads))]
+        for name, a, e in zip("qkv", got[r], want):
+            assert a.dtype == torch.bfloat16 and a.shape == e.shape
+            _assert_close_counting_ulps(a, e, f"rank {r} {name}")
+
+
+def test_fused_layout_is_qkv_per_head():
+    g = torch.Generator().manual_seed(7)
+    d, hidden, h, world = 128, 64, 4, 2
+    w = torch.randn(3 * h * d, hidden, generator=g).bfloat16()
+    xs = [torch.randn(1, 3, hidden, generator=g).bfloat16() for _ in range(world)]
+    table = reference.rope_cos_sin_table(3, d)
+    kwargs = dict(num_q_heads=h, num_kv_heads=h)
+    bshd = reference.qkv_norm_rope_exchange(xs, w, None, None, table, **kwargs)
+    fused = reference.qkv_norm_rope_exchange(xs, w, None, None, table, layout="fused", **kwargs)
+    for (q, k, v), f in zip(bshd, fused):
+        assert f.shape == (1, 3 * world, h // world, 3 * d)
+        assert torch.equal(f[..., :d], q) and torch.equal(f[..., d:2 * d], k)
+        assert torch.equal(f[..., 2 * d:], v)
+
+
+def test_unknown_rope_style_is_rejected():
+    with pytest.raises(ValueError, match="rope_style"):
+        reference.rope(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 8), "gptj")
