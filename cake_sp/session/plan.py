@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import Tensor
+
 KIND_Q, KIND_K, KIND_V = 0, 1, 2
 LAYOUTS = ("bshd", "fused")
 
@@ -110,6 +112,7 @@ class DestLayout:
     token_stride: tuple[int, int, int]
     head_stride: tuple[int, int, int]
     seq_len: int
+    layout: str = "bshd"
 
     @classmethod
     def for_layout(cls, plan: HeadPlan, layout: str, token_capacity: int,
@@ -135,8 +138,23 @@ class DestLayout:
                     f"layout='fused' needs num_q_heads == num_kv_heads, got "
                     f"{plan.num_q_heads} and {plan.num_kv_heads}")
             return cls(region_offset=(0, d, 2 * d), token_stride=(3 * hq * d,) * 3,
-                       head_stride=(3 * d,) * 3, seq_len=seq_len)
+                       head_stride=(3 * d,) * 3, seq_len=seq_len, layout="fused")
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+    def region_views(self, buffer: Tensor, batch: int) -> list[Tensor]:
+        """Views of a 1-D bf16 ``buffer`` in this layout for ``batch`` entries.
+
+        ``"bshd"``: ``[q, k, v]``, each ``[B, seq_len, H_kind, D]``;
+        ``"fused"``: ``[qkv]``, one ``[B, seq_len, H_local, 3 * D]``.
+        """
+        kinds = (KIND_Q,) if self.layout == "fused" else (KIND_Q, KIND_K, KIND_V)
+        views = []
+        for kind in kinds:
+            start, width, head = (self.region_offset[kind], self.token_stride[kind],
+                                  self.head_stride[kind])
+            region = buffer[start: start + batch * self.seq_len * width]
+            views.append(region.view(batch, self.seq_len, width // head, head))
+        return views
 
     @staticmethod
     def buffer_elements(plan: HeadPlan, token_capacity: int) -> int:
