@@ -8,5 +8,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 # -- session (QkvNormRopeExchangeOverlap, UlyssesBackendError) --
+from cake_sp.session.mesh import UlyssesBackendError
+from cake_sp.session.overlap import QkvNormRopeExchangeOverlap
 # -- paged KV-cache append kernels --
 # -- paged FMHA --

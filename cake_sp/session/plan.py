@@ -141,15 +141,19 @@ class DestLayout:
                        head_stride=(3 * d,) * 3, seq_len=seq_len, layout="fused")
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
+    @property
+    def regions(self) -> tuple[int, ...]:
+        """The kinds that start a region: Q, K, V for ``"bshd"``; only Q (q|k|v) for ``"fused"``."""
+        return (KIND_Q,) if self.layout == "fused" else (KIND_Q, KIND_K, KIND_V)
+
     def region_views(self, buffer: Tensor, batch: int) -> list[Tensor]:
         """Views of a 1-D bf16 ``buffer`` in this layout for ``batch`` entries.
 
         ``"bshd"``: ``[q, k, v]``, each ``[B, seq_len, H_kind, D]``;
         ``"fused"``: ``[qkv]``, one ``[B, seq_len, H_local, 3 * D]``.
         """
-        kinds = (KIND_Q,) if self.layout == "fused" else (KIND_Q, KIND_K, KIND_V)
         views = []
-        for kind in kinds:
+        for kind in self.regions:
             start, width, head = (self.region_offset[kind], self.token_stride[kind],
                                   self.head_stride[kind])
             region = buffer[start: start + batch * self.seq_len * width]

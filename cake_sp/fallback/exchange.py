@@ -1,0 +1,91 @@
+"""The NCCL path: the same contract as the NVLink path, built on ``torch.distributed``.
+
+Equivalent unfused pseudo-code, per rank::
+
+    p = x @ qkv_weight.T (+ bias)                      # fp32
+    q, k = rope(rms_norm(q)), rope(rms_norm(k))        # DESIGN.md section 1
+    send[d] = (q, k, v)[heads of rank d]               # pack, rank-major
+    recv = all_to_all_single(send)                     # ONE collective
+    out[:, src * S_local:(src + 1) * S_local] = recv[src]
+
+The projection, norm, RoPE and pack are one launch of the fused producer kernel
+whose destination table points at this rank's own send buffer, so the NCCL
+path shares every line of math with the NVLink path.  The group's backend
+moves the bytes (NCCL on GPUs, gloo on CPUs); the bytes travel as int16 since
+gloo has no bf16 all-to-all.  With one rank the producer writes the output
+directly and no collective runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cake_sp.kernels.producer import qkv_norm_rope_produce
+from cake_sp.session.plan import DestLayout, HeadPlan
+from cake_sp.session.slots import CallInputs, SlotRing, deliver
+
+
+class NcclExchange:
+    """Buffers and call sequence of the NCCL path for one session.
+
+    Owns a send and a receive buffer of ``W * max_tokens`` token rows of every
+    head band (sized once, here) and the session's receive-slot ring.
+    """
+
+    graph_capturable = False
+
+    def __init__(self, group: dist.ProcessGroup, plan: HeadPlan, *, layout: str,
+                 max_tokens: int, num_slots: int, device: torch.device, eps: float,
+                 rope_style: int) -> None:
+        self._group, self._plan, self._layout = group, plan, layout
+        self._eps, self._rope_style = eps, rope_style
+        world = plan.world_size
+        self.slots = SlotRing.local(plan, layout=layout, max_tokens=max_tokens,
+                                    num_slots=num_slots, device=device)
+        per_rank = DestLayout.buffer_elements(plan, max_tokens)
+        if world > 1:
+            self._send = torch.empty(world * per_rank, dtype=torch.bfloat16, device=device)
+            self._recv = torch.empty_like(self._send)
+            self._send_table = torch.empty(world, dtype=torch.int64, device=device)
+            self._rank_index = torch.arange(world, dtype=torch.int64, device=device)
+
+    def run(self, call: CallInputs, out: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Project, normalise, rotate and exchange; return the output views (or ``out``)."""
+        plan, world = self._plan, self._plan.world_size
+        if world == 1:
+            slot = self.slots.advance()
+            self._produce(call, self.slots.layout(call.seq_global), self.slots.table(slot),
+                          dest_seq_offset=0)
+            return deliver(self.slots.views(slot, call.batch, call.seq_global), out)
+        chunk = call.rows * plan.heads_per_rank * plan.head_dim
+        send_layout = DestLayout.for_layout(plan, self._layout, token_capacity=call.rows,
+                                            seq_len=call.seq_local)
+        # Destination d's chunk starts d * chunk elements into the send buffer.
+        torch.mul(self._rank_index, chunk * self._send.element_size(), out=self._send_table)
+        self._send_table.add_(self._send.data_ptr())
+        self._produce(call, send_layout, self._send_table, dest_seq_offset=0)
+        dist.all_to_all_single(self._recv[: world * chunk].view(torch.int16),
+                               self._send[: world * chunk].view(torch.int16), group=self._group)
+        views = out if out is not None else self.slots.views(
+            self.slots.advance(), call.batch, call.seq_global)
+        received = self._recv[: world * chunk].view(world, chunk)
+        for kind, dest in zip(send_layout.regions, views):
+            # Source src's region sits at the same offset of its chunk: [B, S_local, H, X].
+            batch, _, heads, width = dest.shape
+            start = send_layout.region_offset[kind]
+            source = received[:, start: start + call.rows * heads * width]
+            dest.view(batch, world, call.seq_local, heads, width).copy_(
+                source.view(world, batch, call.seq_local, heads, width).transpose(0, 1))
+        return views
+
+    def _produce(self, call: CallInputs, dest: DestLayout, table: torch.Tensor,
+                 dest_seq_offset: int) -> None:
+        qkv_norm_rope_produce(
+            call.x2d, call.qkv_weight, call.qkv_bias, call.q_norm_weight, call.k_norm_weight,
+            call.rope_cos_sin, call.positions, plan=self._plan, dest=dest, dest_table=table,
+            seq_local=call.seq_local, dest_seq_offset=dest_seq_offset, eps=self._eps,
+            rope_style=self._rope_style)
+
+    def close(self) -> None:
+        """Nothing collective to release: the buffers are ordinary device memory."""

@@ -1,0 +1,341 @@
+"""``QkvNormRopeExchangeOverlap``: the prepared per-layer session (DESIGN.md section 2).
+
+Construction is collective and does all the work that can be done once:
+validate the configuration on every rank jointly (one all-gather), agree on the
+backend from every rank's mesh probe, allocate buffers.  A call then validates
+its tensors locally (before any collective, so a bad call raises on every rank
+that makes it) and runs the chosen backend's sequence with no allocation and no
+host collective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cake_sp.kernels.norm_rope import rope_style_code
+from cake_sp.session.mesh import (
+    Backend,
+    BackendDecision,
+    EnvOverrides,
+    UlyssesBackendError,
+    decide_backend,
+    probe_mesh,
+)
+from cake_sp.session.plan import LAYOUTS, HeadPlan
+from cake_sp.session.slots import CallInputs
+
+SUPPORTED_HEAD_DIMS = (128,)
+_ERRORS = {"ValueError": ValueError, "TypeError": TypeError,
+           "UlyssesBackendError": UlyssesBackendError}
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Everything every rank must agree on; compared field by field across ranks."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    max_tokens: int
+    num_slots: int
+    layout: str
+    rope_style: str
+    eps: float
+    backend: str
+    device_type: str
+    wait_timeout_s: float
+
+    def validate(self, world_size: int) -> HeadPlan:
+        """Check every field; return the head plan.  Raises ValueError/TypeError naming the field."""
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "hidden", "max_tokens",
+                     "num_slots"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {self.head_dim}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        rope_style_code(self.rope_style)
+        if self.backend not in tuple(b.value for b in Backend):
+            raise ValueError(f"backend must be one of {[b.value for b in Backend]}, "
+                             f"got {self.backend!r}")
+        for name in ("eps", "wait_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        plan = HeadPlan(world_size, self.num_q_heads, self.num_kv_heads, self.head_dim)
+        if self.layout == "fused" and self.num_q_heads != self.num_kv_heads:
+            raise ValueError("layout='fused' needs num_q_heads == num_kv_heads (no GQA), got "
+                             f"{self.num_q_heads} and {self.num_kv_heads}")
+        return plan
+
+
+class QkvNormRopeExchangeOverlap:
+    """Fused QKV projection + per-head Q/K RMSNorm + RoPE + Ulysses head exchange.
+
+    Per call, rank ``r`` of ``W`` gives its token shard ``x`` ``[B, S_local, hidden]``
+    and receives its head band for the whole sequence ``S_global = W * S_local``:
+    ``q [B, S_global, Hq/W, D]``, ``k, v [B, S_global, Hkv_local, D]`` (layout
+    ``"bshd"``) or one ``[B, S_global, H/W, 3*D]`` q|k|v-per-head tensor (``"fused"``).
+    It equals ``cake_sp.reference.qkv_norm_rope_exchange`` of every rank's input.
+
+    Parameters
+    ----------
+    group : torch.distributed group, optional
+        The sequence-parallel group; None means the default (world) group.
+    num_q_heads, num_kv_heads, head_dim, hidden : int
+        Model shape; ``qkv_weight`` is ``[(Hq + 2*Hkv) * head_dim, hidden]``.
+    max_tokens : int
+        Most rows ``B * S_local`` one call may have; buffers are sized from it once.
+    num_slots : int
+        Receive slots in the ring; a call's outputs stay valid for ``num_slots - 1``
+        further calls.
+    layout : {"bshd", "fused"}
+    rope_style : {"interleaved", "neox"}
+    eps : float
+        RMSNorm epsilon.
+    backend : {"auto", "nvlink", "nccl"}
+        ``"auto"`` probes the mesh and falls back to ``"nccl"`` with the reason in
+        ``backend_reason``; ``"nvlink"`` raises ``UlyssesBackendError`` if it cannot serve.
+    device : torch.device, optional
+        Defaults to the current CUDA device, or the CPU when there is no GPU (there
+        the kernels need ``TRITON_INTERPRET=1``).
+    wait_timeout_s : float
+        NVLink path: how long a rank waits for a peer's data before giving up and
+        reporting which ranks never arrived (the next call raises).
+
+    Construction is collective: every rank of ``group`` must construct, with the
+    same configuration, or every rank raises the same error.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, num_q_heads: int,
+                 num_kv_heads: int, head_dim: int, hidden: int, max_tokens: int,
+                 num_slots: int = 2, layout: str = "bshd", rope_style: str = "interleaved",
+                 eps: float = 1e-6, backend: str = "auto", device: torch.device | None = None,
+                 wait_timeout_s: float = 30.0) -> None:
+        self._group = group if group is not None else dist.group.WORLD
+        self._closed = True
+        self.world_size = dist.get_world_size(self._group)
+        self.rank = dist.get_rank(self._group)
+        self.device = _resolve_device(device)
+        env = EnvOverrides.read()
+        if backend == Backend.AUTO.value and env.backend:
+            backend = env.backend
+        self.config = SessionConfig(num_q_heads, num_kv_heads, head_dim, hidden, max_tokens,
+                                    num_slots, layout, rope_style, eps, backend,
+                                    self.device.type, wait_timeout_s)
+        plan, error = None, None
+        try:
+            plan = self.config.validate(self.world_size)
+        except (ValueError, TypeError) as exc:
+            error = (type(exc).__name__, str(exc))
+        probe = probe_mesh(self.device) if error is None else None
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (asdict(self.config), error, probe), group=self._group)
+        decision = _agree(gathered, env)
+        self.plan: HeadPlan = plan
+        self.backend: str = decision.backend.value
+        self.backend_reason: str = decision.reason
+        self._impl = self._build(decision.backend)
+        self._closed = False
+
+    def _build(self, backend: Backend):
+        cfg = self.config
+        common = dict(layout=cfg.layout, max_tokens=cfg.max_tokens, num_slots=cfg.num_slots,
+                      device=self.device, eps=float(cfg.eps), rope_style=rope_style_code(cfg.rope_style))
+        if backend is Backend.NVLINK:
+            from cake_sp.session.heap import NvshmemHeap
+            from cake_sp.session.nvlink import NvlinkExchange
+            return NvlinkExchange(NvshmemHeap(self._group, self.device), self.plan,
+                                  wait_timeout_s=float(cfg.wait_timeout_s), **common)
+        from cake_sp.fallback.exchange import NcclExchange
+        return NcclExchange(self._group, self.plan, **common)
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a call can be captured in a CUDA graph (the NVLink path; see docs/guide.md)."""
+        return self._impl.graph_capturable
+
+    def __call__(self, x: Tensor, qkv_weight: Tensor, q_norm_weight: Tensor | None,
+                 k_norm_weight: Tensor | None, rope_cos_sin: Tensor,
+                 positions: Tensor | None = None, qkv_bias: Tensor | None = None,
+                 out: Sequence[Tensor] | Tensor | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor] | Tensor:
+        """Run one layer's front end; every rank of the group must call, in the same order.
+
+        Parameters
+        ----------
+        x : bf16 ``[B, S_local, hidden]``, contiguous, on the session's device.
+        qkv_weight : bf16 ``[(Hq + 2*Hkv) * D, hidden]``, contiguous (``nn.Linear`` layout).
+        q_norm_weight, k_norm_weight : bf16 ``[D]`` or None (None skips that norm).
+        rope_cos_sin : fp32 ``[B * S_local, D]`` per token, or ``[max_pos, D]`` with ``positions``.
+        positions : int32/int64 ``[B, S_local]``, optional.
+        qkv_bias : bf16 ``[(Hq + 2*Hkv) * D]``, optional.
+        out : caller-owned outputs to copy into (``(q, k, v)`` or one fused tensor).
+
+        Returns
+        -------
+        ``(q, k, v)`` for ``"bshd"`` or one tensor for ``"fused"``: views of the
+        session's current receive slot (or ``out``).  Enqueued on the current
+        stream; the host does not wait for the GPU.
+        """
+        if self._closed:
+            raise RuntimeError("QkvNormRopeExchangeOverlap is closed")
+        call = self._check_call_inputs(x, qkv_weight, q_norm_weight, k_norm_weight,
+                                       rope_cos_sin, positions, qkv_bias)
+        out_list = self._check_out(out, call)
+        views = self._impl.run(call, out_list)
+        return views[0] if self.config.layout == "fused" else tuple(views)
+
+    def synchronize(self) -> None:
+        """Wait for this rank's enqueued calls and raise if a peer's data never arrived."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        check = getattr(self._impl, "check", None)
+        if check is not None:
+            check()
+
+    def close(self) -> None:
+        """Release the session's buffers (collective on the NVLink path).  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._impl.close()
+
+    def __enter__(self) -> QkvNormRopeExchangeOverlap:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        cfg = self.config
+        return (f"QkvNormRopeExchangeOverlap(world_size={self.world_size}, Hq={cfg.num_q_heads}, "
+                f"Hkv={cfg.num_kv_heads}, D={cfg.head_dim}, layout={cfg.layout!r}, "
+                f"backend={self.backend!r})")
+
+    # -- validation -------------------------------------------------------------------------
+
+    def _check_call_inputs(self, x, qkv_weight, q_norm_weight, k_norm_weight, rope_cos_sin,
+                           positions, qkv_bias) -> CallInputs:
+        cfg, plan = self.config, self.plan
+        d = cfg.head_dim
+        n = plan.total_heads * d
+        bf16 = torch.bfloat16
+        _check_tensor("x", x, bf16, self.device, ndim=3)
+        batch, seq_local, hidden = x.shape
+        if hidden != cfg.hidden:
+            raise ValueError(f"x must be [B, S_local, hidden={cfg.hidden}], got {tuple(x.shape)}")
+        rows = batch * seq_local
+        if rows < 1 or rows > cfg.max_tokens:
+            raise ValueError(f"x has B * S_local = {rows} rows; the session takes 1 to "
+                             f"max_tokens={cfg.max_tokens}")
+        _check_tensor("qkv_weight", qkv_weight, bf16, self.device, shape=(n, cfg.hidden))
+        _check_tensor("qkv_bias", qkv_bias, bf16, self.device, shape=(n,), optional=True)
+        _check_tensor("q_norm_weight", q_norm_weight, bf16, self.device, shape=(d,),
+                      optional=True)
+        _check_tensor("k_norm_weight", k_norm_weight, bf16, self.device, shape=(d,),
+                      optional=True)
+        _check_tensor("rope_cos_sin", rope_cos_sin, torch.float32, self.device, ndim=2)
+        if rope_cos_sin.shape[1] != d:
+            raise ValueError(f"rope_cos_sin must have head_dim={d} columns (cos then sin), got "
+                             f"{tuple(rope_cos_sin.shape)}")
+        table_rows = rope_cos_sin.shape[0]
+        if positions is None:
+            if table_rows < rows:
+                raise ValueError(f"rope_cos_sin without positions needs one row per token "
+                                 f"(B * S_local = {rows}), got {table_rows} rows")
+            flat_positions = None
+        else:
+            _check_tensor("positions", positions, (torch.int32, torch.int64), self.device,
+                          shape=(batch, seq_local))
+            if not torch.cuda.is_current_stream_capturing():
+                # One small reduction; skipped under graph capture, where it cannot sync.
+                low, high = torch.aminmax(positions)
+                if int(low) < 0 or int(high) >= table_rows:
+                    raise ValueError(f"positions must lie in [0, {table_rows}) (the rows of "
+                                     f"rope_cos_sin), got values in [{int(low)}, {int(high)}]")
+            flat_positions = positions.view(rows)
+        return CallInputs(x.view(rows, hidden), batch, seq_local, self.world_size, qkv_weight,
+                          qkv_bias, q_norm_weight, k_norm_weight, rope_cos_sin, flat_positions)
+
+    def _check_out(self, out, call: CallInputs) -> list[Tensor] | None:
+        if out is None:
+            return None
+        plan, d = self.plan, self.config.head_dim
+        s_global = call.seq_global
+        if self.config.layout == "fused":
+            expected = {"out": (call.batch, s_global, plan.q_per_rank, 3 * d)}
+            tensors = [out]
+        else:
+            if not isinstance(out, (tuple, list)) or len(out) != 3:
+                raise TypeError("out must be a (q, k, v) tuple for layout='bshd'")
+            expected = {"out[0] (q)": (call.batch, s_global, plan.q_per_rank, d),
+                        "out[1] (k)": (call.batch, s_global, plan.kv_per_rank, d),
+                        "out[2] (v)": (call.batch, s_global, plan.kv_per_rank, d)}
+            tensors = list(out)
+        for (name, shape), tensor in zip(expected.items(), tensors):
+            _check_tensor(name, tensor, torch.bfloat16, self.device, shape=shape)
+        return tensors
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _agree(gathered: list, env: EnvOverrides) -> BackendDecision:
+    """Every rank's (config, error, probe) -> one decision, or the same exception on every rank."""
+    for rank, (_, error, _) in enumerate(gathered):
+        if error is not None:
+            kind, message = error
+            raise _ERRORS[kind](f"{message} (rank {rank})")
+    configs = [config for config, _, _ in gathered]
+    for rank, config in enumerate(configs[1:], start=1):
+        differing = sorted(k for k in config if config[k] != configs[0][k])
+        if differing:
+            detail = ", ".join(f"{k}: {configs[0][k]!r} vs {config[k]!r}" for k in differing)
+            raise ValueError(f"ranks constructed the session with different configurations "
+                             f"(rank 0 vs rank {rank}: {detail})")
+    probes = [probe for _, _, probe in gathered]
+    return decide_backend(configs[0]["backend"], probes, allow_shared_gpu=env.allow_shared_gpu)
+
+
+def _check_tensor(name: str, tensor, dtype, device: torch.device, *, shape=None, ndim=None,
+                  optional: bool = False) -> None:
+    """Raise TypeError/ValueError naming ``name`` unless ``tensor`` is as expected."""
+    if tensor is None:
+        if optional:
+            return
+        raise TypeError(f"{name} must be a tensor, got None")
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if tensor.dtype not in dtypes:
+        want = " or ".join(str(t) for t in dtypes)
+        raise TypeError(f"{name} must be {want}, got {tensor.dtype}")
+    if tensor.device != device:
+        raise ValueError(f"{name} must be on {device}, got {tensor.device}")
+    if ndim is not None and tensor.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    if shape is not None and tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides "
+                         f"{tensor.stride()}")
