@@ -46,6 +46,30 @@ def round_to_bf16(x, INTERPRET: tl.constexpr):
     return x.to(tl.bfloat16)
 
 
+FP8_E4M3_MAX: float = 448.0
+FP8_E4M3_MIN_NORMAL: tl.constexpr = tl.constexpr(0.015625)  # 2**-6
+
+
+@triton.jit
+def round_to_fp8e4m3(x, INTERPRET: tl.constexpr):
+    """Round an fp32 tensor to FP8 e4m3 (``float8_e4m3fn``), nearest-even, saturating at +-448.
+
+    Clamping first makes the conversion saturating on every target (NaN aside).
+    The CPU interpreter neither rounds to nearest nor saturates; there the value
+    is first rounded onto the e4m3 grid in fp32 (3 mantissa bits for normals, a
+    fixed step of 2**-9 for subnormals, sign kept for values that round to 0),
+    so that the final cast is exact.
+    """
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if INTERPRET:
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+        # Adding 1.5 * 2**14 puts every |x| < 2**-6 in a binade whose fp32 step is 2**-9.
+        sub = ((x + 24576.0) - 24576.0).to(tl.uint32, bitcast=True) | (bits & 0x80000000)
+        x = tl.where(tl.abs(x) >= FP8_E4M3_MIN_NORMAL, normal, sub).to(tl.float32, bitcast=True)
+    return x.to(tl.float8e4nv)
+
+
 @triton.jit
 def rms_normalize(x, eps, D: tl.constexpr):
     """``x * 1/sqrt(mean(x^2, -1) + eps)`` over the ``D`` columns of an fp32 tile.
@@ -89,3 +113,28 @@ def rope_rotate(x, cos, sin, BLOCK_M: tl.constexpr, D: tl.constexpr, STYLE: tl.c
     else:
         out = tl.reshape(tl.permute(tl.join(ra, rb), (0, 2, 1)), (BLOCK_M, D))
     return out
+
+
+QK_NORM_POLICIES: dict[int, str] = {0: "none", 1: "RoPE then RMSNorm", 2: "RMSNorm then RoPE"}
+QK_NORM_NONE: tl.constexpr = tl.constexpr(0)
+QK_NORM_AFTER_ROPE: tl.constexpr = tl.constexpr(1)
+QK_NORM_BEFORE_ROPE: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def qk_norm_rope(x, w_ptr, cos, sin, eps, POLICY: tl.constexpr, BLOCK_M: tl.constexpr,
+                 D: tl.constexpr, STYLE: tl.constexpr):
+    """Apply ``qk_norm_policy`` to an fp32 ``[BLOCK_M, D]`` head tile, all in fp32, no rounding.
+
+    ``POLICY`` 0: ``rope(x)``; 1: ``rms_normalize(rope(x)) * w``; 2:
+    ``rope(rms_normalize(x) * w)``.  ``w_ptr`` points at ``D`` norm weights
+    (fp32 or bf16, upcast on load); it is not read under policy 0.
+    """
+    if POLICY == QK_NORM_BEFORE_ROPE:
+        w = tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)
+        x = rms_normalize(x, eps, D) * w[None, :]
+    x = rope_rotate(x, cos, sin, BLOCK_M, D, STYLE)
+    if POLICY == QK_NORM_AFTER_ROPE:
+        w = tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)
+        x = rms_normalize(x, eps, D) * w[None, :]
+    return x
