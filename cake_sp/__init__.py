@@ -12,3 +12,6 @@ from cake_sp.session.mesh import UlyssesBackendError
 from cake_sp.session.overlap import QkvNormRopeExchangeOverlap
 # -- paged KV-cache append kernels --
 # -- paged FMHA --
+from cake_sp.kernels.fmha import batch_context_with_kv_cache as batch_context_with_kv_cache
+from cake_sp.kernels.fmha import batch_decode_with_kv_cache as batch_decode_with_kv_cache
+from cake_sp.kernels.fmha import fmha_manifest as fmha_manifest

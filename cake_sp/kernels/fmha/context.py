@@ -1,0 +1,115 @@
+"""``context_triton_v1``: paged FlashAttention-2-style prefill (ragged queries, paged KV).
+
+One program per (query block, request, query head) loads its ``[BLOCK_M, D]``
+query tile once and streams the request's keys page by page with an online
+softmax; causal blocks stop at their last query's position and windowed
+blocks start at their first query's window, so masked tiles are never read.
+
+Pseudo-code it equals (query token ``i`` of request ``b``, head ``h``,
+``q_pos = kv_len_b - q_len_b + i``: the last query aligns with the last key)::
+
+    out[cu_q[b] + i, h] = bmm2_scale * softmax_with_sink(bmm1_scale * q . K_b^T) @ V_b
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from cake_sp.kernels._config import INTERPRET
+from cake_sp.kernels.fmha import tuning
+from cake_sp.kernels.fmha.manifest import ensure_sources_verified
+from cake_sp.kernels.fmha.problem import PagedAttention
+from cake_sp.kernels.fmha.tiles import (
+    LOG2E,
+    attend_key_range,
+    finalize_rows,
+    store_out,
+)
+
+
+@triton.jit
+def _context_kernel(
+    q_ptr, k_ptr, v_ptr, k_table_ptr, v_table_ptr, seq_lens_ptr, cu_q_ptr, sinks_ptr,
+    out_ptr, lse_ptr,
+    scale_log2, bmm2_scale, window_left, num_heads,
+    stride_qt, stride_qh,
+    stride_kp, stride_kh, stride_ks,
+    stride_vp, stride_vh, stride_vs,
+    stride_ktb, stride_vtb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, OUT_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Attention of query rows ``[m0, m0 + BLOCK_M)`` of one request and head."""
+    m0 = tl.program_id(0) * BLOCK_M
+    pid = tl.program_id(1)
+    b = pid // num_heads
+    h = pid % num_heads
+    hkv = h // GROUP
+    q_start = tl.load(cu_q_ptr + b).to(tl.int32)
+    q_len = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q_start
+    if m0 < q_len:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        tok = (q_start + rows).to(tl.int64)
+        cols = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + cols[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        if INTERPRET:
+            q = q.to(tl.float32)
+        kv_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        q_pos = kv_len - q_len + rows
+        lo = 0
+        hi = kv_len
+        if CAUSAL:
+            hi = tl.minimum(kv_len, kv_len - q_len + m0 + BLOCK_M)
+        if WINDOW:
+            lo = tl.maximum(kv_len - q_len + m0 - window_left, 0) // BLOCK_N * BLOCK_N
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        k_table = k_table_ptr + b.to(tl.int64) * stride_ktb
+        v_table = v_table_ptr + b.to(tl.int64) * stride_vtb
+        acc, m_i, l_i = attend_key_range(
+            lo, hi, q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, k_table, v_table,
+            hkv * stride_kh, hkv * stride_vh, stride_kp, stride_ks, stride_vp, stride_vs,
+            scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, INTERPRET)
+
+        sink_log2 = 0.0
+        if HAS_SINKS:
+            sink_log2 = tl.load(sinks_ptr + h).to(tl.float32) * LOG2E
+        out, lse = finalize_rows(acc, m_i, l_i, sink_log2, bmm2_scale, HAS_SINKS)
+        store_out(out_ptr + tok[:, None] * stride_ot + h * stride_oh + cols[None, :], out,
+                  row_ok[:, None], OUT_BF16, INTERPRET)
+        if HAS_LSE:
+            tl.store(lse_ptr + tok * num_heads + h, lse, mask=row_ok)
+
+
+def context_triton(p: PagedAttention) -> None:
+    """Run ``p`` (a context call, ``p.cu_q`` set) on the paged prefill kernel."""
+    ensure_sources_verified()
+    _, num_heads, head_dim = p.query.shape
+    block_m = tuning.CONTEXT_BLOCK_M
+    grid = (max(1, triton.cdiv(p.max_q_len, block_m)), p.batch * num_heads)
+    _context_kernel[grid](
+        p.query, p.k_cache, p.v_cache, p.k_tables, p.v_tables, p.seq_lens, p.cu_q,
+        p.sinks if p.sinks is not None else p.seq_lens,
+        p.out, p.lse if p.lse is not None else p.out,
+        p.bmm1_scale * math.log2(math.e), p.bmm2_scale, p.window_left, num_heads,
+        p.query.stride(0), p.query.stride(1),
+        p.k_cache.stride(0), p.k_cache.stride(1), p.k_cache.stride(2),
+        p.v_cache.stride(0), p.v_cache.stride(1), p.v_cache.stride(2),
+        p.k_tables.stride(0), p.v_tables.stride(0), p.out.stride(0), p.out.stride(1),
+        GROUP=p.group, PAGE_SIZE=p.page_size, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=tuning.context_block_n(head_dim),
+        CAUSAL=p.causal, WINDOW=p.window_left >= 0,
+        HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None,
+        OUT_BF16=p.out.dtype == torch.bfloat16, INTERPRET=INTERPRET,
+        num_warps=tuning.CONTEXT_NUM_WARPS, num_stages=tuning.CONTEXT_NUM_STAGES,
+    )

@@ -1,0 +1,184 @@
+"""``decode_triton_v1``: split-KV flash-decoding over a paged KV cache.
+
+One program per (request, KV head, split) packs the ``GROUP x q_len_per_req``
+query rows that share a KV head into one tile, so each K/V page is read once
+per KV head; it folds its split's keys into a partial ``(acc, m, l)`` in the
+workspace.  A second kernel merges the splits of each (token, head), adds the
+sink, scales by ``bmm2_scale`` and writes ``out`` (and the LSE).
+
+Pseudo-code it equals (per token ``t`` of request ``b``, head ``h``)::
+
+    out[t, h] = bmm2_scale * softmax_with_sink(bmm1_scale * q[t, h] . K_b^T) @ V_b
+
+with keys after ``q_pos`` (causal inside the request's new tokens) or before
+``q_pos - window_left`` masked.  Nothing here reads a device value on the
+host, so a call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from cake_sp.kernels._config import INTERPRET
+from cake_sp.kernels.fmha import tuning
+from cake_sp.kernels.fmha.manifest import ensure_sources_verified
+from cake_sp.kernels.fmha.problem import PagedAttention
+from cake_sp.kernels.fmha.tiles import (
+    LOG2E,
+    attend_key_range,
+    finalize_rows,
+    store_out,
+)
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, k_ptr, v_ptr, k_table_ptr, v_table_ptr, seq_lens_ptr, acc_ptr, ml_ptr,
+    scale_log2, window_left, num_kv_heads, chunk_len,
+    stride_qt, stride_qh,
+    stride_kp, stride_kh, stride_ks,
+    stride_vp, stride_vh, stride_vs,
+    stride_ktb, stride_vtb,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Partial attention of one split: rows ``(q token i, head g)`` of one (request, KV head).
+
+    Writes ``acc [T, Hq, S, D]`` and ``ml [T, Hq, S, 2]`` (log2-unit max, sum) fp32.
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    b = pid // num_kv_heads
+    hkv = pid % num_kv_heads
+    rows = tl.arange(0, BLOCK_M)
+    qi = rows // GROUP
+    row_ok = rows < Q_LEN * GROUP
+    tok = (b * Q_LEN + qi).to(tl.int64)
+    head = hkv * GROUP + rows % GROUP
+    cols = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + cols[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    q_pos = seq_len - Q_LEN + qi
+    start = split * chunk_len
+    end = tl.minimum(start + chunk_len, seq_len)
+    if WINDOW:
+        # Skip whole tiles left of the first query's window.
+        first = tl.maximum(seq_len - Q_LEN - window_left, 0)
+        start = tl.maximum(start, first // BLOCK_N * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    k_table = k_table_ptr + b.to(tl.int64) * stride_ktb
+    v_table = v_table_ptr + b.to(tl.int64) * stride_vtb
+    acc, m_i, l_i = attend_key_range(
+        start, end, q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, k_table, v_table,
+        hkv * stride_kh, hkv * stride_vh, stride_kp, stride_ks, stride_vp, stride_vs,
+        scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N, True, WINDOW, INTERPRET)
+
+    slot = ((tok * (num_kv_heads * GROUP) + head) * num_splits + split).to(tl.int64)
+    tl.store(acc_ptr + slot[:, None] * HEAD_DIM + cols[None, :], acc, mask=row_ok[:, None])
+    tl.store(ml_ptr + slot * 2, m_i, mask=row_ok)
+    tl.store(ml_ptr + slot * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    acc_ptr, ml_ptr, sinks_ptr, out_ptr, lse_ptr,
+    bmm2_scale, num_heads, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_LSE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Merge the splits of one (token, head): ``out = bmm2_scale * sum_s w_s acc_s / l``."""
+    pid = tl.program_id(0)
+    tok = pid // num_heads
+    head = pid % num_heads
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    base = pid.to(tl.int64) * num_splits + s
+    cols = tl.arange(0, HEAD_DIM)
+    m_s = tl.load(ml_ptr + base * 2, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(ml_ptr + base * 2 + 1, mask=s_ok, other=0.0)
+    acc_s = tl.load(acc_ptr + base[:, None] * HEAD_DIM + cols[None, :], mask=s_ok[:, None],
+                    other=0.0)
+    m = tl.max(m_s, 0, keep_dims=True)
+    w = tl.math.exp2(m_s - tl.where(m == float("-inf"), 0.0, m))
+    acc = tl.sum(acc_s * w[:, None], 0, keep_dims=True)
+    l_i = tl.sum(l_s * w, 0, keep_dims=True)
+    sink_log2 = 0.0
+    if HAS_SINKS:
+        sink_log2 = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+    out, lse = finalize_rows(acc, m, l_i, sink_log2, bmm2_scale, HAS_SINKS)
+    row = tok.to(tl.int64) * stride_ot + head * stride_oh
+    store_out(out_ptr + row + cols[None, :], out, cols[None, :] < HEAD_DIM, OUT_BF16, INTERPRET)
+    if HAS_LSE:
+        tl.store(lse_ptr + pid + tl.arange(0, 1), lse)
+
+
+def block_rows(group: int, q_len_per_req: int) -> int:
+    """Rows of the decode query tile: ``group * q_len_per_req`` padded to a power of two >= 16."""
+    return max(tuning.DECODE_MIN_ROWS, triton.next_power_of_2(group * q_len_per_req))
+
+
+def split_plan(batch: int, num_kv_heads: int, max_seq_len: int,
+               device: torch.device) -> tuple[int, int]:
+    """``(num_splits, chunk_len)``: keys per split a multiple of ``DECODE_BLOCK_N``.
+
+    Host ints only, so the plan of a captured call never changes on replay.
+    """
+    block_n = tuning.DECODE_BLOCK_N
+    tiles = max(1, math.ceil(max_seq_len / block_n))
+    programs = batch * num_kv_heads
+    want = math.ceil(tuning.DECODE_PROGRAMS_PER_SM * tuning.sm_count(device) / max(programs, 1))
+    splits = max(1, min(want, tiles, tuning.DECODE_MAX_SPLITS))
+    chunk = math.ceil(tiles / splits) * block_n
+    return max(1, math.ceil(max_seq_len / chunk)), chunk
+
+
+def decode_workspace_bytes(p: PagedAttention) -> int:
+    """Bytes of ``workspace_buffer`` the split-KV partials of ``p`` need."""
+    num_tokens, num_heads, head_dim = p.query.shape
+    splits, _ = split_plan(p.batch, p.num_kv_heads, p.max_kv_len, p.query.device)
+    return num_tokens * num_heads * splits * (head_dim + 2) * 4
+
+
+def decode_triton(p: PagedAttention) -> None:
+    """Run ``p`` (a decode call, ``p.cu_q is None``) on the split-KV Triton kernels."""
+    ensure_sources_verified()
+    num_tokens, num_heads, head_dim = p.query.shape
+    hkv, group, q_len = p.num_kv_heads, p.group, p.q_len_per_req
+    splits, chunk = split_plan(p.batch, hkv, p.max_kv_len, p.query.device)
+    n_acc = num_tokens * num_heads * splits * head_dim
+    scratch = p.workspace[: (n_acc + num_tokens * num_heads * splits * 2) * 4]
+    scratch = scratch.view(torch.float32)
+    acc, ml = scratch[:n_acc], scratch[n_acc:]
+    _decode_partial_kernel[(p.batch * hkv, splits)](
+        p.query, p.k_cache, p.v_cache, p.k_tables, p.v_tables, p.seq_lens, acc, ml,
+        p.bmm1_scale * math.log2(math.e), p.window_left, hkv, chunk,
+        p.query.stride(0), p.query.stride(1),
+        p.k_cache.stride(0), p.k_cache.stride(1), p.k_cache.stride(2),
+        p.v_cache.stride(0), p.v_cache.stride(1), p.v_cache.stride(2),
+        p.k_tables.stride(0), p.v_tables.stride(0),
+        Q_LEN=q_len, GROUP=group, PAGE_SIZE=p.page_size, HEAD_DIM=head_dim,
+        BLOCK_M=block_rows(group, q_len), BLOCK_N=tuning.DECODE_BLOCK_N,
+        WINDOW=p.window_left >= 0, INTERPRET=INTERPRET,
+        num_warps=tuning.DECODE_NUM_WARPS, num_stages=tuning.DECODE_NUM_STAGES,
+    )
+    _decode_combine_kernel[(num_tokens * num_heads,)](
+        acc, ml, p.sinks if p.sinks is not None else ml,
+        p.out, p.lse if p.lse is not None else ml,
+        p.bmm2_scale, num_heads, splits, p.out.stride(0), p.out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits),
+        HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None,
+        OUT_BF16=p.out.dtype == torch.bfloat16, INTERPRET=INTERPRET,
+    )

@@ -1,0 +1,47 @@
+"""Launch heuristics of the paged FMHA Triton routes.
+
+Kept apart from the kernels (and from the manifest's kernel sources) so that
+tuning a block size never touches the math.  Values are for Hopper (H200);
+the CPU interpreter uses the smallest legal tiles because it runs every
+program of a grid one after the other.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from cake_sp.kernels._config import INTERPRET
+
+# Decode packs the GQA group x q_len_per_req query rows of one KV head into one
+# tile; tl.dot needs at least 16 rows, and past 64 rows a tile no longer fits
+# the register budget at D = 256, so wider problems take the compat route.
+DECODE_MIN_ROWS = 16
+DECODE_MAX_ROWS = 64
+DECODE_BLOCK_N = 16 if INTERPRET else 64
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
+# Split-KV: aim for this many programs per SM so that small batches still fill
+# the GPU, but never split finer than one key tile per split.
+DECODE_PROGRAMS_PER_SM = 2
+DECODE_MAX_SPLITS = 64
+
+CONTEXT_BLOCK_M = 16 if INTERPRET else 128
+CONTEXT_NUM_WARPS = 4 if INTERPRET else 8
+CONTEXT_NUM_STAGES = 3
+
+
+def context_block_n(head_dim: int) -> int:
+    """Keys per tile of the context kernel; D = 256 halves it to stay inside shared memory."""
+    if INTERPRET:
+        return 16
+    return 32 if head_dim == 256 else 64
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a nominal 4 for the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
