@@ -11,6 +11,12 @@ __version__ = "0.1.0"
 from cake_sp.session.mesh import UlyssesBackendError
 from cake_sp.session.overlap import QkvNormRopeExchangeOverlap
 # -- paged KV-cache append kernels --
+from cake_sp.kernels.qk_rope_append import (
+    fused_qk_rmsnorm_rope_append_paged_kv_cache as fused_qk_rmsnorm_rope_append_paged_kv_cache,
+)
+from cake_sp.kernels.qk_rope_fp8_append import (
+    fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache,  # noqa: E501
+)
 # -- paged FMHA --
 from cake_sp.kernels.fmha import batch_context_with_kv_cache as batch_context_with_kv_cache
 from cake_sp.kernels.fmha import batch_decode_with_kv_cache as batch_decode_with_kv_cache
