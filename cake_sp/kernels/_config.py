@@ -34,3 +34,27 @@ def append_block_m(num_tokens: int, head_dim: int) -> int:
     while block < min(num_tokens, cap):
         block *= 2
     return block
+
+# -- signals.py ---------------------------------------------------------------
+# Polls a spin makes in the interpreter before it reports a timeout: there the
+# programs of every virtual rank run one after another, so a word that is not
+# there at the first poll never comes.
+SPIN_POLLS_INTERPRET: int = 4
+# Readiness words one wait program polls at once, and its warps.
+WAIT_BLOCK: int = 1024
+WAIT_NUM_WARPS: int = 4
+
+# -- producer.py --------------------------------------------------------------
+# Rows per tile.  Readiness words are kept per row block, so the session must
+# build its ReadinessLayout with the block_m it launches the producer with.
+PRODUCER_BLOCK_M: int = 128
+# Reduction step of the GEMM mainloop (the largest of these dividing hidden).
+PRODUCER_BLOCK_K_CHOICES: tuple[int, ...] = (64, 32, 16)
+PRODUCER_NUM_WARPS: int = 8
+PRODUCER_NUM_STAGES: int = 3
+# Heads per tile group: tiles walk the row blocks of GROUP_HEADS heads before
+# moving to the next group, so the weights of a group stay in L2 while the
+# row blocks stream past; within a group consecutive tiles go to different heads.
+PRODUCER_GROUP_HEADS: int = 16
+# Grid of the persistent producer in the interpreter (no SMs to count there).
+PRODUCER_INTERPRET_PROGRAMS: int = 2

@@ -1,0 +1,520 @@
+"""Fused QKV projection + QK RMSNorm + RoPE; the epilogue stores each head tile at its destinations.
+
+Per call, on rank ``source_rank`` with ``rows = B * S_local`` tokens ``x [rows, hidden]``::
+
+    p = x @ qkv_weight.T (+ qkv_bias)                          # fp32 accumulation
+    for every head h of kind Q or K (norm weight w given or None):
+        y = bf16(bf16(p_h * rsqrt(mean(p_h^2) + eps)) * w)      # or y = p_h when w is None
+        out_h = bf16(rope(y, cos_sin[positions or row]))        # fp32 rotation, one rounding
+    for every V head h:  out_h = bf16(p_h)
+    for every destination (rank d, local head l) of h (HeadPlan.destinations):
+        slot_d[region[kind] + t * token_stride[kind] + l * head_stride[kind] + c] = out_h[m, c]
+        with t = b * dest.seq_len + dest_seq_offset + s for source row m = b * S_local + s
+
+This is DESIGN.md section 1 followed by the Ulysses exchange, for one source
+rank.  A *tile* is ``BLOCK_M`` rows of one head (``BLOCK_N = head_dim``), so the
+whole epilogue (norm, rotation, rounding, stores, readiness word) is local to
+the tile.  ``slot_d`` is reached through ``dest_table`` (byte addresses of bf16
+buffers, one per rank): peer pointers on the NVLink path, or addresses in this
+rank's own send buffer on the NCCL path.
+
+With ``signals`` the kernel also runs its half of the NVLink protocol (see
+:mod:`cake_sp.kernels.signals`): before its first store to rank ``d`` a program
+waits for ``d`` to have entered the call, and after each tile stored at ``d``
+it raises ``d``'s readiness word for (source, row block, local head).
+
+The grid is persistent: ``min(tiles, SMs)`` programs walk the tiles in groups
+of ``GROUP_HEADS`` heads (the weights of a group stay in L2 while the row blocks
+stream past); inside a group consecutive tiles are different heads, ordered so
+that consecutive heads go to different ranks and every link is busy from the
+first wave.  The GEMM mainloop is its own function returning the fp32
+accumulator, with a pointer variant (any target, the CPU interpreter) and a
+TMA variant (tensor descriptors, warp-specialised persistent loop, sm_90+).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from cake_sp.kernels import _config
+from cake_sp.kernels.norm_rope import (
+    ROPE_STYLES,
+    load_cos_sin,
+    rms_normalize,
+    rope_rotate,
+    rope_style_code,
+    round_to_bf16,
+)
+from cake_sp.kernels.signals import (
+    _ENTER_TIMEOUT,
+    ProducerSignals,
+    publish,
+    record_timeout,
+    spin_until_at_least,
+)
+from cake_sp.session.plan import DestLayout, HeadPlan
+
+HEAD_DIMS = (64, 128, 256)
+
+# ----------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def _qkv_mainloop(x_src, w_src, row0, w_row0, rows, HIDDEN: tl.constexpr, D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """fp32 ``x[row0:row0+BLOCK_M] @ w[w_row0:w_row0+D].T``, a ``[BLOCK_M, D]`` accumulator.
+
+    ``x_src``/``w_src`` are pointers, or tensor descriptors when ``USE_TMA``.  Rows
+    past ``rows`` hold garbage (the pointer variant re-reads the last row, TMA
+    reads zeros); the epilogue masks them.
+    """
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    if USE_TMA:
+        for k in range(0, HIDDEN, BLOCK_K):
+            a = x_src.load([row0, k])
+            b = w_src.load([w_row0, k])
+            if INTERPRET:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc)
+    else:
+        # Clamping instead of masking keeps the loads unpredicated.
+        offs_m = tl.minimum(row0 + tl.arange(0, BLOCK_M), rows - 1).to(tl.int64)
+        offs_n = (w_row0 + tl.arange(0, D)).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_src + offs_m[:, None] * HIDDEN + offs_k[None, :]
+        # w tile loaded as [BLOCK_K, D] (w.T) rather than transposed after the load.
+        b_ptrs = w_src + offs_n[None, :] * HIDDEN + offs_k[:, None]
+        for k in range(0, HIDDEN, BLOCK_K):
+            a = tl.load(a_ptrs + k)
+            b = tl.load(b_ptrs + k)
+            if INTERPRET:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _maybe_rms_norm(p, weight_ptr, eps, HAS_WEIGHT: tl.constexpr, D: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """``bf16(bf16(rmsnorm(p)) * w)`` as fp32 when the norm weight is given, else ``p``."""
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + tl.arange(0, D)).to(tl.float32)
+        n = round_to_bf16(rms_normalize(p, eps, D), INTERPRET).to(tl.float32)
+        # Both factors are bf16 values, so the fp32 product is exact: rounding it
+        # once gives the bf16 product.
+        p = round_to_bf16(n * w[None, :], INTERPRET).to(tl.float32)
+    return p
+
+
+@triton.jit
+def _qkv_epilogue(acc, head, offs_m, row_ok, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr,
+                  cos_sin_stride, pos_ptr, eps, NUM_Q_HEADS: tl.constexpr,
+                  NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
+                  HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """The bf16 ``[BLOCK_M, D]`` output tile of projection head ``head`` (module docstring)."""
+    p = acc
+    if HAS_BIAS:
+        p += tl.load(bias_ptr + head * D + tl.arange(0, D)).to(tl.float32)[None, :]
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+        if head < NUM_Q_HEADS:
+            y = _maybe_rms_norm(p, q_norm_ptr, eps, HAS_Q_NORM, D, INTERPRET)
+        else:
+            y = _maybe_rms_norm(p, k_norm_ptr, eps, HAS_K_NORM, D, INTERPRET)
+        if HAS_POSITIONS:
+            table_rows = tl.load(pos_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
+        else:
+            table_rows = offs_m
+        cos, sin = load_cos_sin(cos_sin_ptr, table_rows, cos_sin_stride, row_ok, D)
+        out = round_to_bf16(rope_rotate(y, cos, sin, BLOCK_M, D, ROPE_STYLE), INTERPRET)
+    else:
+        out = round_to_bf16(p, INTERPRET)
+    return out
+
+
+@triton.jit
+def _tile_coords(tile, row_blocks, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                 Q_PER_RANK: tl.constexpr, KV_PER_RANK: tl.constexpr,
+                 GROUP_HEADS: tl.constexpr):
+    """``(row_block, head)`` of persistent tile ``tile``.
+
+    Tiles come in groups of ``GROUP_HEADS`` head positions: row blocks in order
+    within a group, head positions fastest.  Positions list the kinds in Q, K, V
+    order and, within a kind, take the destination bands round-robin (band 0
+    head 0, band 1 head 0, ...) so that consecutive tiles go to different ranks.
+    """
+    TOTAL_HEADS: tl.constexpr = NUM_Q_HEADS + 2 * NUM_KV_HEADS
+    group_tiles = row_blocks * GROUP_HEADS
+    group = tile // group_tiles
+    first_pos = group * GROUP_HEADS
+    group_size = tl.minimum(TOTAL_HEADS - first_pos, GROUP_HEADS)
+    within = tile - group * group_tiles
+    pos = first_pos + within % group_size
+    is_q = pos < NUM_Q_HEADS
+    first = tl.where(is_q, 0, tl.where(pos < NUM_Q_HEADS + NUM_KV_HEADS, NUM_Q_HEADS,
+                                       NUM_Q_HEADS + NUM_KV_HEADS))
+    per_band = tl.where(is_q, Q_PER_RANK, KV_PER_RANK)
+    bands = tl.where(is_q, NUM_Q_HEADS // Q_PER_RANK, NUM_KV_HEADS // KV_PER_RANK)
+    j = pos - first
+    return within // group_size, first + (j % bands) * per_band + j // bands
+
+
+@triton.jit
+def _head_destinations(head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                       Q_PER_RANK: tl.constexpr, KV_PER_RANK: tl.constexpr,
+                       KV_REPLICAS: tl.constexpr):
+    """Where projection head ``head`` goes (``HeadPlan.destinations``).
+
+    Returns ``(kind, first_rank, replicas, local)``: ranks ``[first_rank,
+    first_rank + replicas)`` each receive it as their local head ``local`` of ``kind``.
+    """
+    kind = (head >= NUM_Q_HEADS).to(tl.int32) + (head >= NUM_Q_HEADS + NUM_KV_HEADS).to(tl.int32)
+    is_q = kind == 0
+    j = head - tl.where(is_q, 0, tl.where(kind == 1, NUM_Q_HEADS, NUM_Q_HEADS + NUM_KV_HEADS))
+    per_band = tl.where(is_q, Q_PER_RANK, KV_PER_RANK)
+    replicas = tl.where(is_q, 1, KV_REPLICAS)
+    return kind, (j // per_band) * replicas, replicas, j % per_band
+
+
+@triton.jit
+def _produce_tile(tile, entered, failed, epoch, row_blocks,
+                  x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
+                  dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
+                  rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
+                  region_q, region_k, region_v, token_stride_q, token_stride_k, token_stride_v,
+                  head_stride_q, head_stride_k, head_stride_v,
+                  source_rank, max_row_blocks, timeout_ns,
+                  HIDDEN: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                  Q_PER_RANK: tl.constexpr, KV_PER_RANK: tl.constexpr,
+                  KV_REPLICAS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
+                  HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr, SIGNAL: tl.constexpr,
+                  USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
+    """Compute one tile and store it at every destination; returns the updated
+    bit sets of ranks seen entered / given up on by this program."""
+    row_block, head = _tile_coords(tile, row_blocks, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK,
+                                   KV_PER_RANK, GROUP_HEADS)
+    row0 = row_block * BLOCK_M
+    acc = _qkv_mainloop(x_src, w_src, row0, head * D, rows, HIDDEN, D, BLOCK_M, BLOCK_K,
+                        USE_TMA, INTERPRET)
+    offs_m = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
+    row_ok = offs_m < rows
+    out = _qkv_epilogue(acc, head, offs_m, row_ok, bias_ptr, q_norm_ptr, k_norm_ptr,
+                        cos_sin_ptr, cos_sin_stride, pos_ptr, eps, NUM_Q_HEADS, NUM_KV_HEADS,
+                        D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM, HAS_POSITIONS,
+                        ROPE_STYLE, INTERPRET)
+
+    kind, first_rank, replicas, local = _head_destinations(
+        head, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS)
+    is_q = kind == 0
+    is_k = kind == 1
+    # Element offsets at the destination (DestLayout): the same on every rank.
+    b = offs_m // seq_local
+    t = b * dest_seq_len + dest_seq_offset + (offs_m - b * seq_local)
+    row_off = (tl.where(is_q, region_q, tl.where(is_k, region_k, region_v))
+               + t * tl.where(is_q, token_stride_q, tl.where(is_k, token_stride_k,
+                                                             token_stride_v))
+               + local * tl.where(is_q, head_stride_q, tl.where(is_k, head_stride_k,
+                                                                head_stride_v)))
+    # The launcher checks every offset and stride is a multiple of 8 elements
+    # and the table holds 16-byte aligned addresses: 16-byte stores.
+    offs = tl.multiple_of(row_off, 8)[:, None] + tl.arange(0, D)[None, :]
+    HEADS_PER_RANK: tl.constexpr = Q_PER_RANK + 2 * KV_PER_RANK
+    word_index = ((source_rank * max_row_blocks + row_block) * HEADS_PER_RANK + local
+                  + tl.where(is_q, 0, tl.where(is_k, Q_PER_RANK, Q_PER_RANK + KV_PER_RANK)))
+
+    for rep in range(KV_REPLICAS):
+        if rep < replicas:
+            rank = first_rank + rep
+            if SIGNAL:
+                bit = tl.full((), 1, tl.int64) << rank
+                if ((entered | failed) & bit) == 0:
+                    if spin_until_at_least(enter_ptr + rank, epoch, timeout_ns, INTERPRET):
+                        entered |= bit
+                    else:
+                        failed |= bit
+                        record_timeout(status_ptr, rank, _ENTER_TIMEOUT)
+                go = (entered & bit) != 0
+            else:
+                go = True
+            if go:
+                base = tl.multiple_of(tl.load(dest_table_ptr + rank), 16)
+                tl.store(base.to(tl.pointer_type(tl.bfloat16)) + offs, out,
+                         mask=row_ok[:, None])
+                if SIGNAL:
+                    words = tl.load(word_table_ptr + rank).to(tl.pointer_type(tl.int64))
+                    publish(words + word_index, epoch)
+    return entered, failed
+
+
+@triton.jit
+def _qkv_produce_kernel(x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
+                        dest_table_ptr, epoch_ptr, enter_ptr, word_table_ptr, status_ptr,
+                        rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
+                        region_q, region_k, region_v,
+                        token_stride_q, token_stride_k, token_stride_v,
+                        head_stride_q, head_stride_k, head_stride_v,
+                        source_rank, max_row_blocks, timeout_ns,
+                        HIDDEN: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
+                        NUM_KV_HEADS: tl.constexpr, Q_PER_RANK: tl.constexpr,
+                        KV_PER_RANK: tl.constexpr, KV_REPLICAS: tl.constexpr, D: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
+                        HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr,
+                        SIGNAL: tl.constexpr, USE_TMA: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+    row_blocks = tl.cdiv(rows, BLOCK_M)
+    num_tiles = row_blocks * (NUM_Q_HEADS + 2 * NUM_KV_HEADS)
+    if SIGNAL:
+        epoch = tl.load(epoch_ptr)
+    else:
+        epoch = tl.full((), 0, tl.int64)
+    entered = tl.full((), 0, tl.int64)
+    failed = tl.full((), 0, tl.int64)
+    tile_args = (x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
+                 dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
+                 rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
+                 region_q, region_k, region_v, token_stride_q, token_stride_k, token_stride_v,
+                 head_stride_q, head_stride_k, head_stride_v,
+                 source_rank, max_row_blocks, timeout_ns,
+                 HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D,
+                 BLOCK_M, BLOCK_K, GROUP_HEADS, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
+                 HAS_POSITIONS, ROPE_STYLE, SIGNAL, USE_TMA, INTERPRET)
+    if USE_TMA and not INTERPRET:
+        # Warp-specialised persistent loop: producer warps issue the TMA loads of
+        # the next tiles while the consumer warps run the MMA and the epilogue.
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
+                             warp_specialize=True):
+            entered, failed = _produce_tile(tile, entered, failed, epoch, row_blocks,
+                                            *tile_args)
+    else:
+        # A while loop: the interpreter cannot range over a runtime program id.
+        tile = tl.program_id(0)
+        while tile < num_tiles:
+            entered, failed = _produce_tile(tile, entered, failed, epoch, row_blocks,
+                                            *tile_args)
+            tile += tl.num_programs(0)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _tma_supported(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _block_k(hidden: int) -> int:
+    for block_k in _config.PRODUCER_BLOCK_K_CHOICES:
+        if hidden % block_k == 0:
+            return block_k
+    raise ValueError(f"qkv_norm_rope_produce: hidden ({hidden}) must be a multiple of "
+                     f"{min(_config.PRODUCER_BLOCK_K_CHOICES)}")
+
+
+def _rope_code(rope_style: str | int) -> int:
+    if isinstance(rope_style, int) and rope_style in ROPE_STYLES.values():
+        return rope_style
+    return rope_style_code(rope_style)
+
+
+def _check_tensor(name: str, t: torch.Tensor | None, shape: tuple[int, ...],
+                  dtypes: tuple[torch.dtype, ...], device: torch.device,
+                  optional: bool = False) -> None:
+    if t is None and optional:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"qkv_norm_rope_produce: {name} must be a torch.Tensor, "
+                        f"got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"qkv_norm_rope_produce: {name} must have dtype in "
+                        f"{[str(d) for d in dtypes]}, got {t.dtype}")
+    if tuple(t.shape) != shape or not t.is_contiguous():
+        raise ValueError(f"qkv_norm_rope_produce: {name} must be a contiguous {list(shape)} "
+                         f"tensor, got {list(t.shape)} contiguous={t.is_contiguous()}")
+    if t.device != device:
+        raise ValueError(f"qkv_norm_rope_produce: {name} is on {t.device}, expected {device}")
+
+
+def _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
+                           positions, plan, dest, dest_table, seq_local, dest_seq_offset, eps,
+                           signals, block_m) -> None:
+    if not isinstance(plan, HeadPlan) or not isinstance(dest, DestLayout):
+        raise TypeError("qkv_norm_rope_produce: plan must be a HeadPlan and dest a DestLayout, "
+                        f"got {type(plan).__name__} and {type(dest).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError("qkv_norm_rope_produce: x must be a [rows, hidden] tensor, got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    rows, hidden = x.shape
+    d, device = plan.head_dim, x.device
+    if d not in HEAD_DIMS:
+        raise ValueError(f"qkv_norm_rope_produce: head_dim must be one of {HEAD_DIMS}, got {d}")
+    _check_tensor("x", x, (rows, hidden), (torch.bfloat16,), device)
+    _check_tensor("qkv_weight", qkv_weight, (plan.total_heads * d, hidden), (torch.bfloat16,),
+                  device)
+    _check_tensor("qkv_bias", qkv_bias, (plan.total_heads * d,), (torch.bfloat16,), device,
+                  optional=True)
+    _check_tensor("q_norm_weight", q_norm_weight, (d,), (torch.bfloat16,), device, optional=True)
+    _check_tensor("k_norm_weight", k_norm_weight, (d,), (torch.bfloat16,), device, optional=True)
+    _check_tensor("positions", positions, (rows,), (torch.int32, torch.int64), device,
+                  optional=True)
+    _check_tensor("dest_table", dest_table, (plan.world_size,), (torch.int64,), device)
+    if not isinstance(cos_sin, torch.Tensor) or cos_sin.dtype != torch.float32 \
+            or cos_sin.dim() != 2 or cos_sin.shape[1] != d or cos_sin.stride(1) != 1:
+        raise ValueError(f"qkv_norm_rope_produce: cos_sin must be fp32 [rows or max_pos, {d}] "
+                         "with unit column stride, got "
+                         f"{getattr(cos_sin, 'dtype', None)} {getattr(cos_sin, 'shape', None)}")
+    if cos_sin.device != device:
+        raise ValueError(f"qkv_norm_rope_produce: cos_sin is on {cos_sin.device}, "
+                         f"expected {device}")
+    if positions is None and cos_sin.shape[0] < rows:
+        raise ValueError(f"qkv_norm_rope_produce: a per-token cos_sin needs >= {rows} rows, "
+                         f"got {cos_sin.shape[0]}")
+    if rows < 1 or seq_local < 1 or rows % seq_local != 0:
+        raise ValueError(f"qkv_norm_rope_produce: rows ({rows}) must be a positive multiple of "
+                         f"seq_local ({seq_local})")
+    if not 0 <= dest_seq_offset <= dest.seq_len - seq_local:
+        raise ValueError(f"qkv_norm_rope_produce: dest_seq_offset ({dest_seq_offset}) + "
+                         f"seq_local ({seq_local}) must fit in dest.seq_len ({dest.seq_len})")
+    if any(v % 8 for v in (*dest.region_offset, *dest.token_stride, *dest.head_stride)):
+        raise ValueError("qkv_norm_rope_produce: dest offsets and strides must be multiples of "
+                         f"8 elements (16-byte stores), got {dest}")
+    if block_m not in (16, 32, 64, 128, 256):
+        raise ValueError(f"qkv_norm_rope_produce: block_m must be a power of two in [16, 256], "
+                         f"got {block_m}")
+    if not eps > 0:
+        raise ValueError(f"qkv_norm_rope_produce: eps must be > 0, got {eps}")
+    if signals is not None:
+        if not isinstance(signals, ProducerSignals):
+            raise TypeError("qkv_norm_rope_produce: signals must be a ProducerSignals or None, "
+                            f"got {type(signals).__name__}")
+        signals.validate(plan, row_blocks=triton.cdiv(rows, block_m), device=device)
+
+
+def qkv_norm_rope_produce(
+    x: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    *,
+    plan: HeadPlan,
+    dest: DestLayout,
+    dest_table: torch.Tensor,
+    seq_local: int,
+    dest_seq_offset: int,
+    eps: float,
+    rope_style: str | int,
+    signals: ProducerSignals | None = None,
+    block_m: int = _config.PRODUCER_BLOCK_M,
+    num_sms: int | None = None,
+    use_tma: bool | None = None,
+) -> None:
+    """Project, normalise and rotate this rank's tokens and store every head at its destinations.
+
+    Parameters
+    ----------
+    x : Tensor
+        bf16 ``[rows, hidden]``, contiguous; ``rows = B * S_local``, ``hidden`` a multiple of 16.
+    qkv_weight : Tensor
+        bf16 ``[(Hq + 2 * Hkv) * D, hidden]``, contiguous (``nn.Linear`` layout: Q, K, V heads).
+    qkv_bias : Tensor or None
+        bf16 ``[(Hq + 2 * Hkv) * D]``, added in fp32 before the norm.
+    q_norm_weight, k_norm_weight : Tensor or None
+        bf16 ``[D]``; None skips that kind's RMSNorm (RoPE then rotates the fp32 projection).
+    cos_sin : Tensor
+        fp32 ``[rows, D]`` (row ``m`` for source row ``m``) or ``[max_pos, D]`` with
+        ``positions``; each row is ``cos`` of the ``D/2`` frequencies, then their ``sin``.
+    positions : Tensor or None
+        int32/int64 ``[B, S_local]`` (or ``[rows]``), contiguous; indices into ``cos_sin``.
+    plan : HeadPlan
+        Head split; ``plan.head_dim`` in ``HEAD_DIMS``.
+    dest : DestLayout
+        Layout of every destination buffer for this call (``seq_len`` = tokens per
+        batch entry at the destination, ``W * S_local`` for the exchange).
+    dest_table : Tensor
+        int64 ``[W]``: byte address, as seen from this device, of each destination
+        rank's bf16 buffer, 16-byte aligned.  Each buffer must hold every element
+        ``dest`` addresses for this call; the kernel writes nothing else.
+    seq_local : int
+        ``S_local``: source row ``m`` is token ``m % S_local`` of batch entry ``m // S_local``.
+    dest_seq_offset : int
+        Where this rank's tokens start in a destination's batch entry (``source_rank * S_local``).
+    eps : float
+        RMSNorm epsilon.
+    rope_style : str or int
+        ``"interleaved"`` or ``"neox"``, or its code in ``norm_rope.ROPE_STYLES``.
+    signals : ProducerSignals or None
+        NVLink protocol state; None stores only (no wait, no readiness words).
+    block_m : int
+        Rows per tile; the readiness layout and :func:`signals.wait_ready` must use the same.
+    num_sms : int or None
+        Programs of the persistent grid; default the device's SM count.
+    use_tma : bool or None
+        Tensor-descriptor mainloop with a warp-specialised loop; default on sm_90+ GPUs.
+
+    Runs on the current stream and allocates nothing; the host does not block.
+    With ``signals``, a destination that has not entered the call within
+    ``signals.timeout_ns`` gets no stores and is flagged in ``signals.status``.
+    """
+    if isinstance(positions, torch.Tensor) and positions.is_contiguous():
+        positions = positions.view(-1)
+    _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
+                           positions, plan, dest, dest_table, seq_local, dest_seq_offset, eps,
+                           signals, block_m)
+    rows, hidden = x.shape
+    d = plan.head_dim
+    block_k = _block_k(hidden)
+    on_gpu = x.device.type == "cuda" and not _config.INTERPRET
+    if use_tma is None:
+        use_tma = on_gpu and _tma_supported(x.device.index)
+    if num_sms is None:
+        num_sms = _sm_count(x.device.index) if on_gpu else _config.PRODUCER_INTERPRET_PROGRAMS
+    num_tiles = triton.cdiv(rows, block_m) * plan.total_heads
+    if use_tma:
+        x_src = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k])
+        w_src = TensorDescriptor(qkv_weight, list(qkv_weight.shape), list(qkv_weight.stride()),
+                                 [d, block_k])
+    else:
+        x_src, w_src = x, qkv_weight
+    if signals is None:
+        signal_args = (None, None, None, None, 0, 0, 0)
+    else:
+        signal_args = (signals.epoch, signals.enter, signals.word_table, signals.status,
+                       signals.source_rank, signals.readiness.max_row_blocks, signals.timeout_ns)
+    epoch, enter, word_table, status, source_rank, max_row_blocks, timeout_ns = signal_args
+    _qkv_produce_kernel[(min(num_tiles, num_sms),)](
+        x_src, w_src, qkv_bias, q_norm_weight, k_norm_weight, cos_sin, positions, dest_table,
+        epoch, enter, word_table, status,
+        rows, cos_sin.stride(0), eps, seq_local, dest.seq_len, dest_seq_offset,
+        *dest.region_offset, *dest.token_stride, *dest.head_stride,
+        source_rank, max_row_blocks, timeout_ns,
+        HIDDEN=hidden, NUM_Q_HEADS=plan.num_q_heads, NUM_KV_HEADS=plan.num_kv_heads,
+        Q_PER_RANK=plan.q_per_rank, KV_PER_RANK=plan.kv_per_rank,
+        KV_REPLICAS=plan.kv_replicas, D=d, BLOCK_M=block_m, BLOCK_K=block_k,
+        GROUP_HEADS=min(_config.PRODUCER_GROUP_HEADS, plan.total_heads),
+        HAS_BIAS=qkv_bias is not None, HAS_Q_NORM=q_norm_weight is not None,
+        HAS_K_NORM=k_norm_weight is not None, HAS_POSITIONS=positions is not None,
+        ROPE_STYLE=_rope_code(rope_style), SIGNAL=signals is not None, USE_TMA=use_tma,
+        INTERPRET=_config.INTERPRET, num_warps=_config.PRODUCER_NUM_WARPS,
+        num_stages=_config.PRODUCER_NUM_STAGES,
+    )
+
