@@ -14,27 +14,6 @@ import os
 # the kernels keep bf16 operands for the tensor cores.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# -- paged KV-cache append (qk_rope_append.py, qk_rope_fp8_append.py) --
-# Every program scans q_indptr itself; a chunk of 128 int32 keeps that scan to
-# a few vector loads for serving batch sizes.
-APPEND_CHUNK_B: int = 128
-# Page-table entries one request program checks per step.
-APPEND_CHUNK_P: int = 64
-# Cache rows a request program zeroes per step when clearing a last page.
-APPEND_BLOCK_R: int = 16
-APPEND_NUM_WARPS: int = 4
-
-
-def append_block_m(num_tokens: int, head_dim: int) -> int:
-    """Tokens per tile program: enough rows to amortise the metadata scan, but a
-    ``[BLOCK_M, D]`` fp32 tile of at most 4096 values (32 registers a thread at
-    4 warps), and no wider than the batch needs."""
-    cap = 4096 // head_dim
-    block = 1
-    while block < min(num_tokens, cap):
-        block *= 2
-    return block
-
 # -- signals.py ---------------------------------------------------------------
 # Polls a spin makes in the interpreter before it reports a timeout: there the
 # programs of every virtual rank run one after another, so a word that is not
@@ -58,3 +37,24 @@ PRODUCER_NUM_STAGES: int = 3
 PRODUCER_GROUP_HEADS: int = 16
 # Grid of the persistent producer in the interpreter (no SMs to count there).
 PRODUCER_INTERPRET_PROGRAMS: int = 2
+
+# -- paged KV-cache append (qk_rope_append.py, qk_rope_fp8_append.py) --
+# Every program scans q_indptr itself; a chunk of 128 int32 keeps that scan to
+# a few vector loads for serving batch sizes.
+APPEND_CHUNK_B: int = 128
+# Page-table entries one request program checks per step.
+APPEND_CHUNK_P: int = 64
+# Cache rows a request program zeroes per step when clearing a last page.
+APPEND_BLOCK_R: int = 16
+APPEND_NUM_WARPS: int = 4
+
+
+def append_block_m(num_tokens: int, head_dim: int) -> int:
+    """Tokens per tile program: enough rows to amortise the metadata scan, but a
+    ``[BLOCK_M, D]`` fp32 tile of at most 4096 values (32 registers a thread at
+    4 warps), and no wider than the batch needs."""
+    cap = 4096 // head_dim
+    block = 1
+    while block < min(num_tokens, cap):
+        block *= 2
+    return block
