@@ -64,7 +64,8 @@ class Case:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.q_indptr[-1])
+        """``T``: rows of ``qkv``, fixed at construction (a test may then break ``q_indptr``)."""
+        return sum(self.new)
 
     @property
     def num_slots(self) -> int:
@@ -127,9 +128,7 @@ def plan_targets(case: Case, *, max_req_len: int | None = None, clear: bool = Tr
             if clear and 0 <= last < case.num_pages and s % ps:
                 t.tails.append((last, s % ps))
         t.status.append(status)
-        if not valid:
-            continue
-        for r in range(n):
+        for r in range(n if valid else 0):
             pos = r + s - n
             t.req.append(b)
             t.r.append(r)
@@ -139,6 +138,8 @@ def plan_targets(case: Case, *, max_req_len: int | None = None, clear: bool = Tr
             t.page.append(page)
             t.row.append(pos % ps)
             t.page_ok.append(pos_ok and 0 <= page < case.num_pages)
+    if not valid:  # no token has a place: every row stays untouched
+        t.writable = [False] * case.num_tokens
     return t
 
 
@@ -257,3 +258,39 @@ def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     diff = (g != w)
     assert not diff.any(), (f"{what}: {int(diff.sum())} bytes differ, first at byte "
                             f"{int(diff.flatten().nonzero()[0])}")
+
+
+def check_call(case: Case, targets: Targets, kv_layout: str, fmt: str, *, q_out, q_before,
+               q_ref, k_ref, v_want, caches, caches_before, outs, outs_before,
+               record=None) -> None:
+    """Everything one call may and may not have written.
+
+    ``q_ref`` / ``k_ref``: float64 values before rounding to ``fmt`` (in the
+    output's scale); ``v_want``: V exactly as it must be stored ``[T, Hkv, D]``.
+    ``outs`` / ``outs_before``: ``(out_k, out_v)`` after and before (None when the
+    cache took the rows).  Untouched bytes are compared bitwise to the poison.
+    """
+    ok = torch.tensor(targets.writable, dtype=torch.bool)
+    q_out, q_before = q_out.cpu(), q_before.cpu()
+    if ok.any():
+        assert_rounded(q_out[ok], q_ref[ok], fmt, "q", record)
+    assert_bitwise(q_out[~ok], q_before[~ok], "out_q rows the call may not write")
+    for name, i, ref in (("k", 0, k_ref), ("v", 1, None)):
+        cache, before, out, out_before = caches[i].cpu(), caches_before[i], outs[i], outs_before[i]
+        expect, rows = expected_cache(before, cache, case, targets, kv_layout, out is None)
+        assert_bitwise(cache, expect, f"{name} cache outside the rows it writes")
+        if out is not None:
+            out = out.cpu()
+            assert_bitwise(out[~ok], out_before[~ok], f"out_{name} rows the call may not write")
+            got, t_rows = out[ok], ok
+        else:
+            if not rows:
+                continue
+            got = torch.stack([cache[idx] for (_, _, idx) in rows])
+            t_rows = ([t for (t, _, _) in rows], [h for (_, h, _) in rows])
+        if got.numel() == 0:
+            continue
+        if ref is not None:
+            assert_rounded(got, ref[t_rows], fmt, name, record)
+        else:
+            assert_bitwise(got, v_want[t_rows], "v (must be exact)")
