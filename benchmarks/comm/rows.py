@@ -91,7 +91,9 @@ def catalogue(world: int) -> dict[str, Row]:
 
 
 def select_rows(spec: str, world: int) -> list[Row]:
-    """Rows for ``--rows``: a preset (``representative``, ``full``, ``tiny``) or names, comma-separated.
+    """Rows for ``--rows``: presets (``representative``, ``full``, ``tiny``) or row names.
+
+    ``spec`` is comma-separated; entries may mix presets and names.
 
     Raises ``ValueError`` naming the unknown entries and listing every valid one.
     """
