@@ -29,7 +29,8 @@ stream past); inside a group consecutive tiles are different heads, ordered so
 that consecutive heads go to different ranks and every link is busy from the
 first wave.  The GEMM mainloop is its own function returning the fp32
 accumulator, with a pointer variant (any target, the CPU interpreter) and a
-TMA variant (tensor descriptors, warp-specialised persistent loop, sm_90+).
+TMA variant (host-built tensor descriptors, sm_90+), so a warp-specialised
+mainloop can replace it without touching the epilogue.
 """
 
 from __future__ import annotations
@@ -226,9 +227,7 @@ def _produce_tile(tile, entered, failed, epoch, row_blocks,
                                                              token_stride_v))
                + local * tl.where(is_q, head_stride_q, tl.where(is_k, head_stride_k,
                                                                 head_stride_v)))
-    # The launcher checks every offset and stride is a multiple of 8 elements
-    # and the table holds 16-byte aligned addresses: 16-byte stores.
-    offs = tl.multiple_of(row_off, 8)[:, None] + tl.arange(0, D)[None, :]
+    offs = row_off[:, None] + tl.arange(0, D)[None, :]
     HEADS_PER_RANK: tl.constexpr = Q_PER_RANK + 2 * KV_PER_RANK
     word_index = ((source_rank * max_row_blocks + row_block) * HEADS_PER_RANK + local
                   + tl.where(is_q, 0, tl.where(is_k, Q_PER_RANK, Q_PER_RANK + KV_PER_RANK)))
@@ -248,9 +247,12 @@ def _produce_tile(tile, entered, failed, epoch, row_blocks,
             else:
                 go = True
             if go:
-                base = tl.multiple_of(tl.load(dest_table_ptr + rank), 16)
-                tl.store(base.to(tl.pointer_type(tl.bfloat16)) + offs, out,
-                         mask=row_ok[:, None])
+                base = tl.load(dest_table_ptr + rank).to(tl.pointer_type(tl.bfloat16))
+                # A pointer made from an integer has no known alignment; the launcher
+                # checks offsets and strides are multiples of 8 elements and the
+                # addresses are 16-byte aligned, so every row is: 16-byte stores.
+                ptrs = tl.max_contiguous(tl.multiple_of(base + offs, [1, 16]), [1, D])
+                tl.store(ptrs, out, mask=row_ok[:, None])
                 if SIGNAL:
                     words = tl.load(word_table_ptr + rank).to(tl.pointer_type(tl.int64))
                     publish(words + word_index, epoch)
@@ -282,29 +284,23 @@ def _qkv_produce_kernel(x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
         epoch = tl.full((), 0, tl.int64)
     entered = tl.full((), 0, tl.int64)
     failed = tl.full((), 0, tl.int64)
-    tile_args = (x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
-                 dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
-                 rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
-                 region_q, region_k, region_v, token_stride_q, token_stride_k, token_stride_v,
-                 head_stride_q, head_stride_k, head_stride_v,
-                 source_rank, max_row_blocks, timeout_ns,
-                 HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D,
-                 BLOCK_M, BLOCK_K, GROUP_HEADS, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
-                 HAS_POSITIONS, ROPE_STYLE, SIGNAL, USE_TMA, INTERPRET)
-    if USE_TMA and not INTERPRET:
-        # Warp-specialised persistent loop: producer warps issue the TMA loads of
-        # the next tiles while the consumer warps run the MMA and the epilogue.
-        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
-                             warp_specialize=True):
-            entered, failed = _produce_tile(tile, entered, failed, epoch, row_blocks,
-                                            *tile_args)
-    else:
-        # A while loop: the interpreter cannot range over a runtime program id.
-        tile = tl.program_id(0)
-        while tile < num_tiles:
-            entered, failed = _produce_tile(tile, entered, failed, epoch, row_blocks,
-                                            *tile_args)
-            tile += tl.num_programs(0)
+    # A while loop, not a range: the interpreter cannot range over a runtime
+    # program id.  (Triton 3.6's warp specialisation of this loop is a no-op on
+    # sm_90a and fails to compile on sm_100, so there is nothing to gain from a
+    # tl.range here.)
+    tile = tl.program_id(0)
+    while tile < num_tiles:
+        entered, failed = _produce_tile(
+            tile, entered, failed, epoch, row_blocks,
+            x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
+            dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
+            rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
+            region_q, region_k, region_v, token_stride_q, token_stride_k, token_stride_v,
+            head_stride_q, head_stride_k, head_stride_v, source_rank, max_row_blocks,
+            timeout_ns, HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK,
+            KV_REPLICAS, D, BLOCK_M, BLOCK_K, GROUP_HEADS, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
+            HAS_POSITIONS, ROPE_STYLE, SIGNAL, USE_TMA, INTERPRET)
+        tile += tl.num_programs(0)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -466,10 +462,11 @@ def qkv_norm_rope_produce(
         NVLink protocol state; None stores only (no wait, no readiness words).
     block_m : int
         Rows per tile; the readiness layout and :func:`signals.wait_ready` must use the same.
+        128 suits D <= 128; use 64 for D = 256 (128 spills registers on sm_90a).
     num_sms : int or None
         Programs of the persistent grid; default the device's SM count.
     use_tma : bool or None
-        Tensor-descriptor mainloop with a warp-specialised loop; default on sm_90+ GPUs.
+        Tensor-descriptor (TMA) mainloop; default on sm_90+ GPUs.
 
     Runs on the current stream and allocates nothing; the host does not block.
     With ``signals``, a destination that has not entered the call within

@@ -217,9 +217,12 @@ def _wait_ready_kernel(epoch_ptr, words_ptr, status_ptr, row_blocks, max_row_blo
 # ----------------------------------------------------------------------------- launchers
 
 
-def _check_int64_vector(name: str, t: torch.Tensor, length: int, device: torch.device) -> None:
+def _check_int64_vector(name: str, t: torch.Tensor, length: int,
+                        device: torch.device | None) -> None:
+    """``device`` None accepts any device (the first tensor checked sets it for the rest)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    device = t.device if device is None else device
     if t.dtype != torch.int64 or t.dim() != 1 or t.shape[0] < length or not t.is_contiguous():
         raise ValueError(f"{name} must be a contiguous int64 vector of at least {length} "
                          f"elements, got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
@@ -227,8 +230,8 @@ def _check_int64_vector(name: str, t: torch.Tensor, length: int, device: torch.d
         raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
-def _check_signal_inputs(epoch: torch.Tensor, world: int) -> None:
-    _check_int64_vector("epoch", epoch, 1, epoch.device)
+def _check_world(world: int) -> None:
+    # The producer keeps one bit per destination rank in an int64.
     if not 1 <= world <= 32:
         raise ValueError(f"world size must be in [1, 32], got {world}")
 
@@ -249,9 +252,10 @@ def barrier_arrive(epoch: torch.Tensor, enter_table: torch.Tensor, *, source_ran
 
     Runs one program on the current stream; the host does not block.
     """
-    world = enter_table.shape[0] if isinstance(enter_table, torch.Tensor) else 0
-    _check_signal_inputs(epoch, world)
-    _check_int64_vector("enter_table", enter_table, world, epoch.device)
+    _check_int64_vector("epoch", epoch, 1, None)
+    _check_int64_vector("enter_table", enter_table, 1, epoch.device)
+    world = enter_table.shape[0]
+    _check_world(world)
     if not 0 <= source_rank < world:
         raise ValueError(f"source_rank must be in [0, {world}), got {source_rank}")
     _barrier_arrive_kernel[(1,)](epoch, enter_table, source_rank, WORLD=world, num_warps=1)
@@ -282,7 +286,8 @@ def wait_ready(epoch: torch.Tensor, words: torch.Tensor, status: torch.Tensor, *
     kernels on the stream see every tile stored before the words were raised.
     """
     world = readiness.world_size
-    _check_signal_inputs(epoch, world)
+    _check_world(world)
+    _check_int64_vector("epoch", epoch, 1, None)
     _check_int64_vector("words", words, readiness.words, epoch.device)
     _check_int64_vector("status", status, 1 + world, epoch.device)
     if not 1 <= row_blocks <= readiness.max_row_blocks:
