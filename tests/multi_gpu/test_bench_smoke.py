@@ -1,0 +1,106 @@
+"""Smoke run of the main comm benchmark on 2 ranks: it finishes, checks every arm, writes its files.
+
+Launches ``benchmarks/comm/bench_qkv_norm_rope_exchange_overlap.py`` under
+torchrun at the tiny rows.  Where it runs follows ``CAKE_SP_TEST_DEVICE`` (see
+``_ranks.py``): gloo on the CPU by default, one GPU per rank with ``cuda``, both
+ranks on GPU 0 with ``cuda-shared``.  It checks the JSON's shape and that every
+arm that ran was verified against the reference; the numbers are not looked at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _ranks import TEST_DEVICE
+
+pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks" / "comm" / "bench_qkv_norm_rope_exchange_overlap.py"
+WORLD = 2
+ROW_KEYS = {"row", "status", "reason", "arms", "gemm_flops", "bytes_out_per_gpu", "attempts",
+            "median_ms", "aa_spread_pct", "flags", "fused_arm", "fused_ms", "best_baseline",
+            "best_baseline_ms", "speedup", "floor", "fused_over_floor"}
+ATTEMPT_KEYS = {"order", "samples_ms", "samples_ms_per_rank", "median_ms", "aa"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    args = ["--rows", "tiny", "--samples", "2", "--warmup", "0", "--ceiling-samples", "1",
+            "--json", str(out / "r.json"), "--markdown", str(out / "r.md"),
+            "--plot", str(out / "r.png")]
+    if TEST_DEVICE == "cpu":
+        args += ["--device", "cpu", "--link-sizes", "4096,65536"]
+    else:
+        args += ["--device", "cuda", "--link-sizes", "1048576"]
+    if TEST_DEVICE == "cuda-shared":
+        env.update(CUDA_VISIBLE_DEVICES="0", CAKE_SP_ALLOW_SHARED_GPU="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={WORLD}", str(BENCH), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=580)
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return {"doc": json.loads((out / "r.json").read_text()), "out": out, "stdout": proc.stdout}
+
+
+def test_files_and_environment(run):
+    doc, out = run["doc"], run["out"]
+    assert doc["schema"] == "cake_sp.bench.qkv_norm_rope_exchange_overlap/1"
+    assert (out / "r.png").stat().st_size > 0
+    assert "fastest baseline" in (out / "r.md").read_text()
+    env = doc["environment"]
+    for key in ("torch", "commit", "world_size", "dist_backend", "hostname"):
+        assert key in env, key
+    assert env["world_size"] == WORLD
+    assert doc["ceilings"]["matmul"]["rate_flops_per_s"] > 0
+    assert doc["ceilings"]["link"]["rate_bytes_per_s"] > 0
+    if TEST_DEVICE != "cuda":
+        assert doc["caveats"], "a CPU or shared-GPU run must say its numbers are not GPU numbers"
+
+
+def test_every_arm_ran_was_verified(run):
+    rows = run["doc"]["rows"]
+    assert [r["row"]["name"] for r in rows] == ["tiny", "tiny_gqa"]
+    for r in rows:
+        assert r["status"] == "measured", r["reason"]
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        for name, arm in r["arms"].items():
+            assert arm["status"] in ("timed", "skipped"), (r["row"]["name"], name, arm)
+            if arm["status"] == "skipped":
+                assert arm["reason"], f"{name} skipped without a reason"
+            else:
+                assert arm["verified"] is True, (name, arm.get("verification"))
+                assert len(arm["verification"]) == WORLD
+        timed = {n for n, a in r["arms"].items() if a["status"] == "timed"}
+        assert r["fused_arm"] in timed
+        if TEST_DEVICE == "cpu":
+            assert timed == {"fused_nccl", "b1_three_a2a", "b2_packed_a2a", "b3_band_overlap",
+                             "b4_yunchang"}
+            assert r["arms"]["fused_nvlink"]["status"] == "skipped"
+
+
+def test_samples_order_and_aa_control(run):
+    for r in run["doc"]["rows"]:
+        timed = [n for n, a in r["arms"].items() if a["status"] == "timed"]
+        for attempt in r["attempts"]:
+            assert ATTEMPT_KEYS <= set(attempt)
+            control = attempt["aa"]["control"]
+            assert control == attempt["aa"]["arm"] + "~aa"
+            names = set(timed) | {control}
+            assert set(attempt["samples_ms"]) == names
+            # Counterbalanced: every arm appears equally often in the executed order.
+            counts = {n: sum(1 for _, m in attempt["order"] if m == n) for n in names}
+            assert len(set(counts.values())) == 1, counts
+            for name, samples in attempt["samples_ms"].items():
+                assert len(samples) == counts[name] and all(s > 0 for s in samples)
+                per_rank = attempt["samples_ms_per_rank"][name]
+                assert len(per_rank) == WORLD
+                assert samples == [max(v) for v in zip(*per_rank, strict=True)]
