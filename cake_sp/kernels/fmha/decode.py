@@ -3,7 +3,7 @@
 One program per (request, KV head, split) packs the ``GROUP x q_len_per_req``
 query rows that share a KV head into one tile, so each K/V page is read once
 per KV head; it folds its split's keys into a partial ``(acc, m, l)`` in the
-workspace.  A second kernel merges the splits of each (token, head), adds the
+workspace.  A second kernel merges the splits of each (token, KV head), adds the
 sink, scales by ``bmm2_scale`` and writes ``out`` (and the LSE).
 
 Pseudo-code it equals (per token ``t`` of request ``b``, head ``h``)::
@@ -95,34 +95,43 @@ def _decode_partial_kernel(
 @triton.jit
 def _decode_combine_kernel(
     acc_ptr, ml_ptr, sinks_ptr, out_ptr, lse_ptr,
-    bmm2_scale, num_heads, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_LSE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    bmm2_scale, num_kv_heads, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, OUT_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """Merge the splits of one (token, head): ``out = bmm2_scale * sum_s w_s acc_s / l``."""
+    """Merge the splits of the ``GROUP`` heads of one (token, KV head); add sink, scale, store."""
     pid = tl.program_id(0)
-    tok = pid // num_heads
-    head = pid % num_heads
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < num_splits
-    base = pid.to(tl.int64) * num_splits + s
+    tok = pid // num_kv_heads
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    head = (pid % num_kv_heads) * GROUP + g
+    row = (tok * (num_kv_heads * GROUP) + head).to(tl.int64)
     cols = tl.arange(0, HEAD_DIM)
-    m_s = tl.load(ml_ptr + base * 2, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(ml_ptr + base * 2 + 1, mask=s_ok, other=0.0)
-    acc_s = tl.load(acc_ptr + base[:, None] * HEAD_DIM + cols[None, :], mask=s_ok[:, None],
-                    other=0.0)
-    m = tl.max(m_s, 0, keep_dims=True)
-    w = tl.math.exp2(m_s - tl.where(m == float("-inf"), 0.0, m))
-    acc = tl.sum(acc_s * w[:, None], 0, keep_dims=True)
-    l_i = tl.sum(l_s * w, 0, keep_dims=True)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for s in range(NUM_SPLITS):
+        slot = row * NUM_SPLITS + s
+        m_s = tl.load(ml_ptr + slot * 2, mask=g_ok, other=float("-inf"))
+        l_s = tl.load(ml_ptr + slot * 2 + 1, mask=g_ok, other=0.0)
+        acc_s = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + cols[None, :], mask=g_ok[:, None],
+                        other=0.0)
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.math.exp2(m_i - m_safe)
+        w = tl.math.exp2(m_s - m_safe)
+        acc = acc * a[:, None] + acc_s * w[:, None]
+        l_i = l_i * a + l_s * w
+        m_i = m_new
     sink_log2 = 0.0
     if HAS_SINKS:
-        sink_log2 = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
-    out, lse = finalize_rows(acc, m, l_i, sink_log2, bmm2_scale, HAS_SINKS)
-    row = tok.to(tl.int64) * stride_ot + head * stride_oh
-    store_out(out_ptr + row + cols[None, :], out, cols[None, :] < HEAD_DIM, OUT_BF16, INTERPRET)
+        sink_log2 = tl.load(sinks_ptr + head, mask=g_ok, other=0.0).to(tl.float32) * LOG2E
+    out, lse = finalize_rows(acc, m_i, l_i, sink_log2, bmm2_scale, HAS_SINKS)
+    ptrs = out_ptr + tok.to(tl.int64) * stride_ot + head[:, None] * stride_oh + cols[None, :]
+    store_out(ptrs, out, g_ok[:, None], OUT_BF16, INTERPRET)
     if HAS_LSE:
-        tl.store(lse_ptr + pid + tl.arange(0, 1), lse)
+        tl.store(lse_ptr + row, lse, mask=g_ok)
 
 
 def block_rows(group: int, q_len_per_req: int) -> int:
@@ -174,11 +183,11 @@ def decode_triton(p: PagedAttention) -> None:
         WINDOW=p.window_left >= 0, INTERPRET=INTERPRET,
         num_warps=tuning.DECODE_NUM_WARPS, num_stages=tuning.DECODE_NUM_STAGES,
     )
-    _decode_combine_kernel[(num_tokens * num_heads,)](
+    _decode_combine_kernel[(num_tokens * hkv,)](
         acc, ml, p.sinks if p.sinks is not None else ml,
         p.out, p.lse if p.lse is not None else ml,
-        p.bmm2_scale, num_heads, splits, p.out.stride(0), p.out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits),
+        p.bmm2_scale, hkv, p.out.stride(0), p.out.stride(1),
+        NUM_SPLITS=splits, GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None,
         OUT_BF16=p.out.dtype == torch.bfloat16, INTERPRET=INTERPRET,
     )

@@ -1,0 +1,103 @@
+"""The Triton routes (split-KV decode, paged context) against the ``compat_v1`` route.
+
+Runs through the Triton interpreter on the CPU (CI) or on the GPU.  The CPU
+interpreter runs every program of a grid in turn, so CI takes a seeded sample
+of the shape grid plus the edge cells (largest decode tile, many splits with
+empty ones, several query blocks, zero-width window, fp16 output); the GPU
+test module replays the whole grid.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+from _fmha_cases import FmhaCase, assert_matches, call, make_call, one_thread, shape_grid
+
+from cake_sp.kernels.fmha import tuning
+
+SAMPLE = 10  # per op, from the seeded shuffle of the shape grid
+
+EDGE_DECODE = [
+    FmhaCase(num_kv_heads=1, group=16, kv_lens=(4, 23), q_lens=(4, 4), sinks=True, lse=True),
+    FmhaCase(kv_lens=(1, 100, 64), window_left=0, lse=True, split_tables=True),
+    FmhaCase(page_size=7, kv_lens=(30, 3), q_lens=(2, 2), window_left=9, kv_layout="NHD",
+             fp8_kv=True, sinks=True),
+]
+EDGE_CONTEXT = [
+    FmhaCase(op="context", kv_lens=(40, 45), q_lens=(40, 20), lse=True, sinks=True),
+    FmhaCase(op="context", kv_lens=(33, 18), q_lens=(33, 1), causal=False, window_left=4,
+             page_size=3, split_tables=True, lse=True),
+    FmhaCase(op="context", num_kv_heads=1, group=16, kv_lens=(20,), q_lens=(20,),
+             kv_layout="NHD", fp8_kv=True, window_left=6),
+]
+
+
+def _sample(op: str) -> list[FmhaCase]:
+    grid = shape_grid(op)
+    random.Random(zlib.crc32(op.encode())).shuffle(grid)
+    return grid[:SAMPLE]
+
+
+CASES = _sample("decode") + EDGE_DECODE + _sample("context") + EDGE_CONTEXT
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+def _run_route(case, device, route, monkeypatch, seed):
+    monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", route)
+    kw = make_call(case, device, seed)
+    return kw, call(case, kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=FmhaCase.label)
+def test_triton_route_matches_compat(case, device, monkeypatch):
+    # Many splits: every split of a short request is empty, long ones span several.
+    monkeypatch.setattr(tuning, "DECODE_PROGRAMS_PER_SM", 64)
+    seed = zlib.crc32(case.label().encode())
+    ref_kw, _ = _run_route(case, device, "compat_v1", monkeypatch, seed)
+    kw, result = _run_route(case, device, "triton", monkeypatch, seed)
+    assert_matches(case, kw, result, ref_kw["out"], ref_kw["lse"])
+
+
+def test_fp16_output_from_bf16_query(device, monkeypatch):
+    case = FmhaCase(kv_lens=(5, 17), q_lens=(1, 1))
+    monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")
+    kw = make_call(case, device, seed=3)
+    kw["out"] = torch.full(kw["query"].shape, float("nan"), dtype=torch.float16, device=device)
+    out = call(case, kw)
+    monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "compat_v1")
+    ref = call(case, dict(kw, out=None))
+    assert out.dtype == torch.float16 and ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_short_workspace_falls_back_to_compat(device, monkeypatch):
+    case = FmhaCase(kv_lens=(3, 20), q_lens=(1, 1), lse=True)
+    kw = make_call(case, device, seed=4)
+    kw["workspace_buffer"] = torch.zeros(16, dtype=torch.uint8, device=device)
+    monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")
+    with pytest.raises(RuntimeError, match="workspace_buffer is too small"):
+        call(case, kw)
+    monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "auto")
+    out, lse = call(case, dict(kw, return_lse=True))
+    ref_kw, _ = _run_route(case, device, "compat_v1", monkeypatch, 4)
+    assert torch.equal(out, ref_kw["out"]) and torch.equal(lse, ref_kw["lse"])
+
+
+def test_wide_decode_tile_takes_compat(device, monkeypatch):
+    case = FmhaCase(num_kv_heads=1, group=16, kv_lens=(6, 9), q_lens=(5, 5))
+    kw = make_call(case, device, seed=5)
+    monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")
+    with pytest.raises(RuntimeError, match="outside the Triton capability matrix"):
+        call(case, kw)
+    monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "auto")
+    out = call(case, kw)
+    ref_kw, _ = _run_route(case, device, "compat_v1", monkeypatch, 5)
+    assert torch.equal(out, ref_kw["out"])
