@@ -171,8 +171,11 @@ def _prepare(op: str, query, kv_cache, workspace_buffer, block_tables, seq_lens,
     shared = uses_shared_paged_kv_idx
     if not isinstance(shared, bool):
         raise TypeError(f"uses_shared_paged_kv_idx must be a bool, got {shared!r}")
-    _check_tensor("block_tables", block_tables, dev, _INDEX_DTYPES, 2 if shared else 3)
-    if not shared and block_tables.shape[1] != 2:
+    _check_tensor("block_tables", block_tables, dev, _INDEX_DTYPES)
+    if shared and block_tables.ndim != 2:
+        raise ValueError("block_tables must be [B, max_pages] when uses_shared_paged_kv_idx="
+                         f"True, got {_desc(block_tables)}")
+    if not shared and (block_tables.ndim != 3 or block_tables.shape[1] != 2):
         raise ValueError("block_tables must be [B, 2, max_pages] (K and V page tables) when "
                          f"uses_shared_paged_kv_idx=False, got {_desc(block_tables)}")
     if block_tables.stride(-1) != 1:
