@@ -11,7 +11,7 @@ Equivalent unfused pseudo-code, per rank::
 The projection, norm, RoPE and pack are one launch of the fused producer kernel
 whose destination table points at this rank's own send buffer, so the NCCL
 path shares every line of math with the NVLink path.  The group's backend
-moves the bytes (NCCL on GPUs, gloo on CPUs); the bytes travel as int16 since
+moves the bytes (NCCL on GPUs, gloo on CPUs); the bytes travel as uint8 since
 gloo has no bf16 all-to-all.  With one rank the producer writes the output
 directly and no collective runs.
 """
@@ -65,8 +65,8 @@ class NcclExchange:
         torch.mul(self._rank_index, chunk * self._send.element_size(), out=self._send_table)
         self._send_table.add_(self._send.data_ptr())
         self._produce(call, send_layout, self._send_table, dest_seq_offset=0)
-        dist.all_to_all_single(self._recv[: world * chunk].view(torch.int16),
-                               self._send[: world * chunk].view(torch.int16), group=self._group)
+        dist.all_to_all_single(self._recv[: world * chunk].view(torch.uint8),
+                               self._send[: world * chunk].view(torch.uint8), group=self._group)
         views = out if out is not None else self.slots.views(
             self.slots.advance(), call.batch, call.seq_global)
         received = self._recv[: world * chunk].view(world, chunk)

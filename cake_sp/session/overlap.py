@@ -259,7 +259,7 @@ class QkvNormRopeExchangeOverlap:
         else:
             _check_tensor("positions", positions, (torch.int32, torch.int64), self.device,
                           shape=(batch, seq_local))
-            if not torch.cuda.is_current_stream_capturing():
+            if not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
                 # One small reduction; skipped under graph capture, where it cannot sync.
                 low, high = torch.aminmax(positions)
                 if int(low) < 0 or int(high) >= table_rows:

@@ -1,0 +1,87 @@
+"""Spawn W ranks once and run a list of cases inside them; every rank reports every case.
+
+Importing torch in 8 processes on a small CPU costs seconds, so a test module
+spawns its ranks once per world size (``run_cases``) and its tests then read
+the per-case, per-rank reports.  A case is a module-level function
+``case(ctx) -> dict`` run on every rank; an exception becomes that rank's
+report (``{"error": "...", "type": "ValueError"}``), so one failing case never
+hangs the others.
+
+Where the ranks run is read from the environment:
+
+* ``CAKE_SP_TEST_DEVICE=cpu`` (default): gloo, CPU tensors, Triton interpreter.
+* ``CAKE_SP_TEST_DEVICE=cuda``: NCCL, one GPU per rank.
+* ``CAKE_SP_TEST_DEVICE=cuda-shared``: gloo, every rank on GPU 0, the NVLink
+  path allowed on one shared GPU (``CAKE_SP_ALLOW_SHARED_GPU=1``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TEST_DEVICE = os.environ.get("CAKE_SP_TEST_DEVICE", "cpu")
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    device: torch.device
+    dist_backend: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    if TEST_DEVICE == "cuda":
+        device, backend = torch.device("cuda", rank), "nccl"
+        torch.cuda.set_device(device)
+    elif TEST_DEVICE == "cuda-shared":
+        device, backend = torch.device("cuda", 0), "gloo"
+        os.environ["CAKE_SP_ALLOW_SHARED_GPU"] = "1"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=device if backend == "nccl" else None)
+    ctx = RankContext(rank, world, device, backend)
+    reports = {}
+    for case in cases:
+        try:
+            reports[case.__name__] = case(ctx) or {}
+        except Exception as exc:
+            reports[case.__name__] = {"error": str(exc), "type": type(exc).__name__,
+                                      "traceback": traceback.format_exc()}
+        # Keep the ranks in step, so an error on one rank shows as that case's report.
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(reports, f)
+    dist.destroy_process_group()
+
+
+def run_cases(world: int, cases: list) -> dict[str, list[dict]]:
+    """Run ``cases`` on ``world`` spawned ranks; return ``{case name: [report of each rank]}``."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_rank_main, args=(world, _free_port(), cases, out_dir),
+                           nprocs=world, join=True, start_method="spawn")
+        per_rank = []
+        for rank in range(world):
+            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+                per_rank.append(json.load(f))
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
