@@ -36,8 +36,10 @@ import torch.distributed as dist
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
 DIST_BACKENDS = ("auto", "nccl", "gloo")
-# Kernel-name fragments of the two marker ops that bracket every profiled sample.
-_BEGIN_MARK, _END_MARK = "bitwise_not", "bitwise_and"
+# The two marker ops that bracket every profiled sample, as fragments of their kernel names
+# once lower-cased without underscores: torch names the kernels after
+# ``bitwise_not_kernel_cuda`` and ``BitwiseAndFunctor``.  No arm runs either op.
+_BEGIN_MARK, _END_MARK = "bitwisenot", "bitwiseand"
 _MIN_FLUSH_BYTES = 256 << 20
 
 
@@ -172,16 +174,18 @@ def split_samples(events: Sequence[tuple[str, float, float]]) -> list[float]:
     """Busy time of every bracketed sample in a GPU activity trace.
 
     ``events`` are ``(name, start_us, end_us)``; each sample is bracketed by a
-    begin-marker activity and an end-marker activity (``_BEGIN_MARK`` and
-    ``_END_MARK`` kernels).  A sample's time is the union of the intervals of
-    the activities that start between its markers.  Returns one value per
-    sample, in microseconds.  Raises ``RuntimeError`` if the markers do not
-    pair up (a sample would be mis-attributed).
+    begin-marker activity and an end-marker activity (kernels whose names hold
+    ``_BEGIN_MARK`` and ``_END_MARK``, compared lower-case without underscores).
+    A sample's time is the union of the intervals of the activities that start
+    between its markers.  Returns one value per sample, in microseconds.
+    Raises ``RuntimeError`` if the markers do not pair up (a sample would be
+    mis-attributed).
     """
     events = sorted(events, key=lambda e: e[1])
     samples: list[float] = []
     current: list[tuple[float, float]] | None = None
     for name, start, end in events:
+        name = name.lower().replace("_", "")
         if _BEGIN_MARK in name:
             if current is not None:
                 raise RuntimeError("profiler trace: two begin markers without an end marker")

@@ -228,7 +228,7 @@ def _header(doc: dict) -> str:
              f"{' (dirty)' if env['commit_dirty'] else ''}",
              f"- timing: {doc['timer']}, medians of per-sample maxima over ranks, "
              f"counterbalanced rounds, A/A control flagged above {AA_LIMIT_PCT:g}%",
-             f"- matmul rate: {ceil['matmul']['rate_flops_per_s'] / 1e12:.1f} TFLOP/s "
+             f"- matmul rate: {ceil['matmul']['rate_flops_per_s'] / 1e12:.3g} TFLOP/s "
              f"({ceil['matmul']['rate_source']})",
              f"- link rate: {ceil['link']['rate_bytes_per_s'] / 1e9:.1f} GB/s "
              f"({ceil['link']['rate_source']})"]

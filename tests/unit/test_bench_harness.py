@@ -31,7 +31,10 @@ def test_union_length_counts_overlap_once():
 
 
 def test_split_samples_uses_markers_and_ignores_what_lies_outside():
-    begin, end = "void bitwise_not_kernel", "void bitwise_and_kernel"
+    begin = ("void at::native::vectorized_elementwise_kernel<4, at::native::"
+             "bitwise_not_kernel_cuda(at::TensorIteratorBase&)::{lambda(int)#1}>")
+    end = ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<int, "
+           "int, int, at::native::BitwiseAndFunctor<int>>>")
     events = [
         ("flush", 0, 5), ("nccl_allreduce_sync", 5, 6), (begin, 6, 7),
         ("gemm", 8, 18), ("nccl_all_to_all", 12, 20),  # overlapped on two streams
@@ -42,9 +45,9 @@ def test_split_samples_uses_markers_and_ignores_what_lies_outside():
 
 
 @pytest.mark.parametrize("events", [
-    [("void bitwise_not_kernel", 0, 1), ("k", 2, 3)],
-    [("void bitwise_and_kernel", 0, 1)],
-    [("void bitwise_not_kernel", 0, 1), ("void bitwise_not_kernel", 2, 3)],
+    [("bitwise_not_kernel_cuda", 0, 1), ("k", 2, 3)],
+    [("BitwiseAndFunctor<int>", 0, 1)],
+    [("bitwise_not_kernel_cuda", 0, 1), ("bitwise_not_kernel_cuda", 2, 3)],
 ])
 def test_split_samples_refuses_unpaired_markers(events):
     with pytest.raises(RuntimeError, match="marker"):
