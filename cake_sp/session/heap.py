@@ -77,7 +77,7 @@ class NvshmemHeap:
         NvshmemHeap._initialised_for = key
 
     def alloc(self, numel: int, dtype: torch.dtype) -> SymmetricTensor:
-        """Collective: a 1-D symmetric buffer of ``numel`` elements on every rank (uninitialised)."""
+        """Collective: a 1-D symmetric buffer of ``numel`` elements per rank, uninitialised."""
         local = self._nvshmem.tensor((numel,), dtype=dtype)
         self._owned.append(local)
         addresses = [self._nvshmem.get_peer_tensor(local, pe).data_ptr()

@@ -53,7 +53,7 @@ class SessionConfig:
     wait_timeout_s: float
 
     def validate(self, world_size: int) -> HeadPlan:
-        """Check every field; return the head plan.  Raises ValueError/TypeError naming the field."""
+        """Check every field; return the head plan.  ValueError/TypeError names the field."""
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "hidden", "max_tokens",
                      "num_slots"):
             value = getattr(self, name)
@@ -152,7 +152,8 @@ class QkvNormRopeExchangeOverlap:
     def _build(self, backend: Backend):
         cfg = self.config
         common = dict(layout=cfg.layout, max_tokens=cfg.max_tokens, num_slots=cfg.num_slots,
-                      device=self.device, eps=float(cfg.eps), rope_style=rope_style_code(cfg.rope_style))
+                      device=self.device, eps=float(cfg.eps),
+                      rope_style=rope_style_code(cfg.rope_style))
         if backend is Backend.NVLINK:
             from cake_sp.session.heap import NvshmemHeap
             from cake_sp.session.nvlink import NvlinkExchange

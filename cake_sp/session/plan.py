@@ -117,7 +117,7 @@ class DestLayout:
     @classmethod
     def for_layout(cls, plan: HeadPlan, layout: str, token_capacity: int,
                    seq_len: int) -> DestLayout:
-        """Layout of a buffer of ``token_capacity`` tokens whose batch entries hold ``seq_len`` tokens.
+        """Layout of a ``token_capacity``-token buffer whose batch entries hold ``seq_len`` tokens.
 
         ``"bshd"``: three contiguous regions ``[B, seq_len, H_kind, D]`` (Q, K, V) at
         fixed offsets, so each is a contiguous prefix whatever the call's batch.

@@ -54,7 +54,7 @@ class Case:
     bias: bool = False
     q_norm: bool = True
     k_norm: bool = True
-    positions: bool = False
+    positions: torch.dtype | None = None
     block_m: int = 128
     num_sms: int | None = None
     use_tma: bool = False
@@ -73,21 +73,22 @@ CASES = {
     "w2-mha-37": Case(2, 2, 2),
     # W = 2, GQA split, B = 2 (two row blocks, the second a tail), every option on.
     "w2-gqa-split-200": Case(2, 4, 2, hidden=192, batch=2, seq_local=100, rope_style="neox",
-                             bias=True, positions=True),
+                             bias=True, positions=torch.int64),
     # W = 4, GQA replication (each K/V head to two ranks), D = 64, one norm only.
     "w4-gqa-repl-d64": Case(4, 4, 2, head_dim=64, hidden=256, batch=2, seq_local=100,
-                            bias=True, q_norm=False, positions=True, block_m=64),
+                            bias=True, q_norm=False, positions=torch.int32, block_m=64),
     # W = 4, fused layout, no norms (RoPE on the fp32 projection), one program.
     "w4-fused-nonorm": Case(4, 4, 4, hidden=64, layout="fused", rope_style="neox",
                             q_norm=False, k_norm=False, num_sms=1),
     # W = 2, fused layout, B = 2, bias and positions, an odd grid.
     "w2-fused-200": Case(2, 2, 2, head_dim=64, batch=2, seq_local=100, bias=True,
-                         positions=True, num_sms=3),
+                         positions=torch.int32, num_sms=3),
     # W = 4, GQA split with two K/V heads per rank, Q heads > W.
     "w4-gqa-split-wide": Case(4, 8, 4, head_dim=64, hidden=64, rope_style="neox",
                               block_m=32),
     # The tensor-descriptor mainloop (TMA on a GPU; emulated by the interpreter).
-    "w2-tma": Case(2, 4, 2, batch=2, seq_local=100, bias=True, positions=True, use_tma=True),
+    "w2-tma": Case(2, 4, 2, batch=2, seq_local=100, bias=True, positions=torch.int64,
+                   use_tma=True),
 }
 
 
@@ -110,7 +111,7 @@ def _make_inputs(case: Case, device: torch.device, seed: int) -> dict:
     ranks = []
     for _ in range(case.world):
         positions = (torch.randint(0, max_pos, (case.batch, case.seq_local), generator=gen)
-                     .to(device) if case.positions else None)
+                     .to(device, case.positions) if case.positions else None)
         ranks.append(dict(
             x=randn(rows, case.hidden).bfloat16(),
             cos_sin=cos_sin_table(max_pos if case.positions else rows),
@@ -314,7 +315,7 @@ def test_second_call_reuses_words_without_memset(device, record_property):
     """A second, shorter call: fresh epoch in its words, the first call's left alone."""
     first = Case(2, 4, 2, head_dim=64, hidden=64, batch=2, seq_local=100, block_m=64,
                  bias=True)
-    second = replace(first, batch=1, seq_local=37, positions=True)
+    second = replace(first, batch=1, seq_local=37, positions=torch.int64)
     vr = VirtualRanks(first, max_tokens=first.rows, device=device)
     vr.call(_make_inputs(first, device, seed=1))
     vr.poison()
@@ -373,6 +374,14 @@ def test_matches_package_reference(device):
 # ----------------------------------------------------------------------------- validation
 
 
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` that starts 2 bytes past an aligned address."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = flat[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def _valid_args(device: torch.device) -> tuple[list, dict]:
     case = Case(2, 2, 2, hidden=64, seq_local=8)
     inputs = _make_inputs(case, device, seed=0)
@@ -406,6 +415,8 @@ def _valid_args(device: torch.device) -> tuple[list, dict]:
      "multiples of 8"),
     (lambda a, k: k.update(plan=HeadPlan(2, 2, 2, 32)), ValueError, "head_dim"),
     (lambda a, k: k.update(signals="on"), TypeError, "ProducerSignals"),
+    (lambda a, k: (a.__setitem__(0, _misaligned(a[0])), k.update(use_tma=True)), ValueError,
+     "16-byte aligned"),
 ])
 def test_rejects_bad_inputs(device, change, error, match):
     args, kwargs = _valid_args(device)
@@ -436,7 +447,7 @@ def test_rejects_readiness_of_another_block_m(device):
 @pytest.mark.parametrize("use_tma", [False, True])
 def test_real_shapes(world, hq, hkv, batch, seq_local, use_tma, device, record_property):
     case = Case(world, hq, hkv, hidden=4096, batch=batch, seq_local=seq_local, bias=True,
-                positions=True, rope_style="neox", use_tma=use_tma)
+                positions=torch.int32, rope_style="neox", use_tma=use_tma)
     vr = VirtualRanks(case, max_tokens=case.rows, device=device)
     inputs = _make_inputs(case, device, seed=world)
     vr.call(inputs)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from _ranks import TEST_DEVICE
 
-pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.multi_gpu
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "comm" / "bench_qkv_norm_rope_exchange_overlap.py"

@@ -46,7 +46,8 @@ def _check_call(ctx, *, kind, layout="bshd", rope_style="interleaved", batch=1, 
         for call in range(calls):
             # Fresh inputs every call, and a different row count on the second call.
             rows = seq_local if call % 2 == 0 else max(1, seq_local // 3)
-            problem = make_problem(zlib.crc32(repr((seed, kind, layout, call)).encode()), ctx.world_size,
+            seed_call = zlib.crc32(repr((seed, kind, layout, call)).encode())
+            problem = make_problem(seed_call, ctx.world_size,
                                    num_q_heads=hq, num_kv_heads=hkv, hidden=HIDDEN, batch=batch,
                                    seq_local=rows, bias=bias, norms=norms, positions=positions)
             want = problem.expected(hq, hkv, rope_style, layout)[ctx.rank]
@@ -132,7 +133,7 @@ def case_bad_configuration_raises_everywhere(ctx):
     }
     report = {}
     for name, (kwargs, exc_type, fragment) in checks.items():
-        report[name] = _expect_error(lambda: QkvNormRopeExchangeOverlap(**kwargs), exc_type,
+        report[name] = _expect_error(lambda k=kwargs: QkvNormRopeExchangeOverlap(**k), exc_type,
                                      fragment)
     if ctx.device.type == "cpu":
         report["forced_nvlink"] = _expect_error(
@@ -191,11 +192,128 @@ def case_lifecycle(ctx):
     return {"closed": closed, "graph_capturable": capturable, "repr": repr(session)}
 
 
+def _gpu_problem_stream(ctx, seed, hq, hkv, rows_choices, calls):
+    """Per-call (problem, rows) from a seed every rank shares: fresh inputs, varying sizes."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(calls):
+        rows = rows_choices[int(torch.randint(len(rows_choices), (1,), generator=g))]
+        yield make_problem(int(torch.randint(2**31, (1,), generator=g)), ctx.world_size,
+                           num_q_heads=hq, num_kv_heads=hkv, hidden=HIDDEN, batch=1,
+                           seq_local=rows, positions=False)
+
+
+def case_gpu_back_to_back_calls(ctx):
+    """1,000 calls with varying row counts, no host sync between them; every 97th is checked."""
+    if ctx.device.type != "cuda":
+        return {"skipped": "GPU only"}
+    hq, hkv = _heads(ctx.world_size, "gqa_replicate")
+    checked = []
+    with QkvNormRopeExchangeOverlap(num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
+                                    hidden=HIDDEN, max_tokens=256, device=ctx.device,
+                                    backend=REQUESTED_BACKEND) as session:
+        pending = []
+        for i, problem in enumerate(_gpu_problem_stream(ctx, 11, hq, hkv, [1, 37, 128, 200, 256],
+                                                        1000)):
+            args = problem.rank_args(ctx.rank, ctx.device)
+            if i % 97 == 0:
+                want = problem.expected(hq, hkv, "interleaved", "bshd")[ctx.rank]
+                out = tuple(torch.full(w.shape, float("nan"), dtype=torch.bfloat16,
+                                       device=ctx.device) for w in want)
+                pending.append((i, session(*args, out=out), want))
+            else:
+                session(*args)
+        session.synchronize()
+        for i, got, want in pending:
+            checked += [compare(g, w, f"call {i} {n}") for n, g, w in zip("qkv", got, want)]
+    return {"compare": checked}
+
+
+def case_gpu_two_sessions_in_flight(ctx):
+    """Two sessions on one group, calls interleaved without syncs, outputs kept in their rings."""
+    if ctx.device.type != "cuda":
+        return {"skipped": "GPU only"}
+    hq, hkv = _heads(ctx.world_size, "mha")
+    kwargs = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=128, hidden=HIDDEN,
+                  max_tokens=64, num_slots=3, device=ctx.device, backend=REQUESTED_BACKEND)
+    report = {"compare": []}
+    with QkvNormRopeExchangeOverlap(**kwargs) as a, QkvNormRopeExchangeOverlap(**kwargs) as b:
+        problems = list(_gpu_problem_stream(ctx, 23, hq, hkv, [17, 64], 6))
+        results = [(a if i % 2 == 0 else b)(*p.rank_args(ctx.rank, ctx.device))
+                   for i, p in enumerate(problems)]
+        torch.cuda.synchronize()
+        for i, (p, got) in enumerate(zip(problems, results)):
+            want = p.expected(hq, hkv, "interleaved", "bshd")[ctx.rank]
+            report["compare"] += [compare(g, w, f"call {i}") for g, w in zip(got, want)]
+    return report
+
+
+def case_gpu_graph_capture_and_replay(ctx):
+    """Capture a call, replay it with fresh inputs, interleave replays with eager calls."""
+    if ctx.device.type != "cuda":
+        return {"skipped": "GPU only"}
+    hq, hkv = _heads(ctx.world_size, "gqa_split")
+    report = {"compare": []}
+    with QkvNormRopeExchangeOverlap(num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
+                                    hidden=HIDDEN, max_tokens=64, num_slots=2,
+                                    device=ctx.device, backend=REQUESTED_BACKEND) as session:
+        report["graph_capturable"] = session.graph_capturable
+        if not session.graph_capturable:
+            return report
+        problems = list(_gpu_problem_stream(ctx, 31, hq, hkv, [48], 7))
+        static = [t.clone() if t is not None else None
+                  for t in problems[0].rank_args(ctx.rank, ctx.device)]
+        session(*static)  # eager warm-up: compiles the kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = session(*static)
+        for i, p in enumerate(problems[1:], start=1):
+            want = p.expected(hq, hkv, "interleaved", "bshd")[ctx.rank]
+            args = p.rank_args(ctx.rank, ctx.device)
+            if i % 2:
+                for dst, src in zip(static, args):
+                    if dst is not None:
+                        dst.copy_(src)
+                graph.replay()
+                got = captured
+            else:
+                got = session(*args)
+            torch.cuda.synchronize()
+            report["compare"] += [compare(g, w, f"call {i} ({'replay' if i % 2 else 'eager'})")
+                                  for g, w in zip(got, want)]
+        session.synchronize()
+    return report
+
+
+def case_gpu_wait_timeout_names_the_absent_rank(ctx):
+    """The last rank never calls; the others must raise naming it instead of hanging."""
+    if ctx.device.type != "cuda" or REQUESTED_BACKEND == "nccl":
+        return {"skipped": "NVLink path only"}
+    from cake_sp.session.nvlink import PeerTimeoutError
+
+    w = ctx.world_size
+    absent = w - 1
+    with QkvNormRopeExchangeOverlap(num_q_heads=w, num_kv_heads=w, head_dim=128, hidden=HIDDEN,
+                                    max_tokens=16, device=ctx.device, backend="nvlink",
+                                    wait_timeout_s=1.0) as session:
+        if ctx.rank == absent:
+            return {"absent": True}
+        problem = make_problem(5, w, num_q_heads=w, num_kv_heads=w, hidden=HIDDEN, batch=1,
+                               seq_local=16)
+        session(*problem.rank_args(ctx.rank, ctx.device))
+        return _expect_error(session.synchronize, PeerTimeoutError, f"[{absent}]")
+
+
 CASES = [case_mha_bshd_interleaved, case_mha_fused_neox_positions_no_norm_no_bias,
          case_gqa_split_neox_out, case_gqa_replicate_interleaved_positions,
          case_slot_ring_keeps_earlier_outputs, case_bad_configuration_raises_everywhere,
-         case_bad_call_inputs_raise_before_any_collective, case_lifecycle]
-RESULT_CASES = CASES[:5] + [case_bad_call_inputs_raise_before_any_collective]
+         case_bad_call_inputs_raise_before_any_collective, case_lifecycle,
+         case_gpu_back_to_back_calls, case_gpu_two_sessions_in_flight,
+         case_gpu_graph_capture_and_replay, case_gpu_wait_timeout_names_the_absent_rank]
+RESULT_CASES = CASES[:5] + [case_bad_call_inputs_raise_before_any_collective,
+                            case_gpu_back_to_back_calls, case_gpu_two_sessions_in_flight,
+                            case_gpu_graph_capture_and_replay]
+GPU_CASES = {c.__name__ for c in CASES if c.__name__.startswith("case_gpu_")}
 # On CPUs every rank runs the kernels through Triton's interpreter, so the larger
 # worlds run the cases that depend on W (head split, replication, agreement) and
 # leave layout and RoPE-style variations, which do not, to W=2.
@@ -203,9 +321,10 @@ WIDE_WORLD_SKIPS = {case_mha_fused_neox_positions_no_norm_no_bias.__name__}
 
 
 def _cases_for(world: int) -> list:
-    if TEST_DEVICE != "cpu" or world == 2:
+    if TEST_DEVICE != "cpu":
         return CASES
-    return [c for c in CASES if c.__name__ not in WIDE_WORLD_SKIPS]
+    skips = GPU_CASES | (WIDE_WORLD_SKIPS if world > 2 else set())
+    return [c for c in CASES if c.__name__ not in skips]
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
@@ -222,6 +341,8 @@ def _ok(world, per_rank, name):
 @pytest.mark.parametrize("case", RESULT_CASES, ids=lambda c: c.__name__[5:])
 def test_every_rank_matches_the_reference(reports, case):
     world, by_case = reports
+    if case.__name__ in GPU_CASES and TEST_DEVICE == "cpu":
+        pytest.skip("needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared)")
     if case.__name__ not in by_case:
         pytest.skip(f"{case.__name__} runs at W=2 on CPUs (its result does not depend on W)")
     per_rank = by_case[case.__name__]
@@ -236,6 +357,16 @@ def test_every_rank_matches_the_reference(reports, case):
     for report in per_rank:
         if "backend" in report:
             assert report["backend"] == EXPECTED_BACKEND, report["reason"]
+
+
+def test_wait_timeout_names_the_absent_rank(reports):
+    world, by_case = reports
+    if TEST_DEVICE == "cpu":
+        pytest.skip("needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared)")
+    per_rank = by_case["case_gpu_wait_timeout_names_the_absent_rank"]
+    _ok(world, per_rank, "timeout")
+    if REQUESTED_BACKEND != "nccl":
+        assert all("raised" in r for r in per_rank[:-1]) and per_rank[-1].get("absent")
 
 
 def test_slot_ring_reuse(reports):

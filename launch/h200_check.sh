@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Single-GPU validation on an H200 (or any Hopper GPU): run the named stages, log each under
+# $OUT (default ./out), and print one summary line per stage last.
+#
+#   bash launch/h200_check.sh env unit kernels shared demo
+#
+# Stages: env, unit, kernels (every kernel test on the GPU), shared (the session with W = 2, 4, 8
+# processes sharing GPU 0 over the NVLink path, nvshmem4py), demo (one rank, NCCL path),
+# sanitizer (compute-sanitizer memcheck + racecheck on the in-process NVLink protocol),
+# bench-producer, bench-append, bench-fmha, bench-comm (the comm benchmark with ranks sharing GPU 0).
+# Python wheels missing on the machine (nvshmem4py) may be carried in .whl/; they are installed
+# into /tmp/site. The project itself runs from the tree (PYTHONPATH), not from an install.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+PY=python3
+PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts="-ra")
+
+run_stage() {
+    local name=$1; shift
+    local start=$SECONDS
+    "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    printf '%-16s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" \
+        "$(grep -E 'passed|failed|error|Error' "$OUT/$name.log" | tail -1 | cut -c1-110)" \
+        | tee -a "$OUT/summary.txt"
+}
+
+stage_env() {
+    nvidia-smi
+    nvidia-smi topo -m
+    $PY - <<'EOF'
+import torch, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())
+print("triton", triton.__version__, "device", torch.cuda.get_device_name())
+try:
+    import nvshmem.core as n; print("nvshmem4py ok", n.__name__)
+except Exception as e:
+    print("nvshmem4py missing:", e)
+EOF
+    git rev-parse HEAD 2>/dev/null || true
+}
+
+for stage in "$@"; do
+    case $stage in
+        env) run_stage env stage_env ;;
+        unit) run_stage unit "${PYTEST[@]}" tests/unit ;;
+        kernels) run_stage kernels "${PYTEST[@]}" tests/kernels ;;
+        shared) run_stage shared env CAKE_SP_TEST_DEVICE=cuda-shared CAKE_SP_TEST_BACKEND=nvlink \
+                    "${PYTEST[@]}" -s tests/multi_gpu/test_session.py ;;
+        demo) run_stage demo torchrun --standalone --nproc-per-node=1 launch/demo.py ;;
+        sanitizer)
+            run_stage memcheck compute-sanitizer --tool memcheck --error-exitcode 9 \
+                "${PYTEST[@]}" tests/kernels/test_nvlink_inprocess.py -k "2-2-2"
+            run_stage racecheck compute-sanitizer --tool racecheck --error-exitcode 9 \
+                "${PYTEST[@]}" tests/kernels/test_nvlink_inprocess.py -k "2-2-2" ;;
+        bench-producer) run_stage bench-producer $PY benchmarks/kernels/bench_producer.py \
+                            --json "$OUT/bench_producer.json" ;;
+        bench-append) run_stage bench-append $PY benchmarks/kernels/bench_qk_rope_append.py \
+                          --json "$OUT/bench_append.json" ;;
+        bench-fmha) run_stage bench-fmha $PY benchmarks/kernels/bench_fmha.py \
+                        --json "$OUT/bench_fmha.json" ;;
+        bench-comm) run_stage bench-comm env CAKE_SP_ALLOW_SHARED_GPU=1 torchrun --standalone \
+                        --nproc-per-node=2 benchmarks/comm/bench_qkv_norm_rope_exchange_overlap.py \
+                        --dist-backend gloo --rows representative --json "$OUT/bench_comm.json" ;;
+        *) echo "unknown stage $stage" >&2; exit 2 ;;
+    esac
+done
+cat "$OUT/summary.txt"
