@@ -4,7 +4,8 @@
 #
 #   bash launch/h200_check.sh env unit kernels shared demo
 #
-# Stages: env, unit, kernels (every kernel test on the GPU), shared (the session with W = 2, 4, 8
+# Stages: env, unit, kernels (every kernel test on the GPU; kernels-nvlink, kernels-append and
+# kernels-fmha run one family), shared (the session with W = 2, 4, 8
 # processes sharing GPU 0 over the NVLink path, nvshmem4py), demo (one rank, NCCL path),
 # sanitizer (compute-sanitizer memcheck + racecheck on the in-process NVLink protocol),
 # bench-producer, bench-append, bench-fmha, bench-comm (the comm benchmark with ranks sharing GPU 0).
@@ -55,6 +56,11 @@ for stage in "$@"; do
         env) run_stage env stage_env ;;
         unit) run_stage unit "${PYTEST[@]}" tests/unit ;;
         kernels) run_stage kernels "${PYTEST[@]}" tests/kernels ;;
+        kernels-nvlink) run_stage kernels-nvlink "${PYTEST[@]}" tests/kernels/test_producer.py \
+                            tests/kernels/test_signals.py tests/kernels/test_nvlink_inprocess.py ;;
+        kernels-append) run_stage kernels-append "${PYTEST[@]}" tests/kernels/test_qk_rope_append.py \
+                            tests/kernels/test_qk_rope_fp8_append.py ;;
+        kernels-fmha) run_stage kernels-fmha "${PYTEST[@]}" tests/kernels -k fmha ;;
         shared) run_stage shared env CAKE_SP_TEST_DEVICE=cuda-shared CAKE_SP_TEST_BACKEND=nvlink \
                     "${PYTEST[@]}" -s tests/multi_gpu/test_session.py ;;
         demo) run_stage demo torchrun --standalone --nproc-per-node=1 launch/demo.py ;;
