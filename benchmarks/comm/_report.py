@@ -42,7 +42,7 @@ def summary_table(rows: Sequence[dict]) -> str:
         head = (f"| {shape['name']} | {shape['world_size']} | {shape['hidden']} | "
                 f"{shape['num_q_heads']}/{shape['num_kv_heads']} | {shape['seq_global']} |")
         if r["status"] != "measured":
-            lines.append(f"{head} - | - | - | - | - | - | - | skipped: {r['reason']} |")
+            lines.append(f"{head} - | - | - | - | - | - | skipped: {r['reason']} |")
             continue
         fused = (f"{_ms(r['fused_ms'])} ({r['fused_arm']})" if r["fused_arm"] else "-")
         base = (f"{_ms(r['best_baseline_ms'])} ({r['best_baseline']})"
@@ -83,14 +83,18 @@ def plot_speedups(rows: Sequence[dict], path: str | Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    measured = [r for r in rows if r["status"] == "measured" and r["speedup"] is not None]
+    measured = [r for r in rows if r["status"] == "measured"]
     worlds = sorted({r["row"]["world_size"] for r in measured}) or [0]
     fig, axes = plt.subplots(1, len(worlds), figsize=(max(6, 5 * len(worlds)), 4.5),
                              squeeze=False)
     for ax, world in zip(axes[0], worlds, strict=True):
-        subset = sorted((r for r in measured if r["row"]["world_size"] == world),
+        subset = sorted((r for r in measured
+                         if r["row"]["world_size"] == world and r["speedup"] is not None),
                         key=lambda r: (r["row"]["hidden"], r["row"]["num_kv_heads"],
                                        r["row"]["seq_global"]))
+        if not subset:
+            ax.text(0.5, 0.5, "no speedup: no baseline ran (see the run's caveats)",
+                    ha="center", va="center", transform=ax.transAxes)
         x, labels, pos = [], [], 0.0
         last_hidden = None
         for r in subset:
