@@ -466,7 +466,8 @@ def qkv_norm_rope_produce(
     num_sms : int or None
         Programs of the persistent grid; default the device's SM count.
     use_tma : bool or None
-        Tensor-descriptor (TMA) mainloop; default on sm_90+ GPUs.
+        Tensor-descriptor (TMA) mainloop; default ``_config.PRODUCER_USE_TMA`` on sm_90+
+        GPUs.  Needs 16-byte aligned ``x`` and ``qkv_weight``.
 
     Runs on the current stream and allocates nothing; the host does not block.
     With ``signals``, a destination that has not entered the call within
@@ -482,7 +483,10 @@ def qkv_norm_rope_produce(
     block_k = _block_k(hidden)
     on_gpu = x.device.type == "cuda" and not _config.INTERPRET
     if use_tma is None:
-        use_tma = on_gpu and _tma_supported(x.device.index)
+        use_tma = _config.PRODUCER_USE_TMA and on_gpu and _tma_supported(x.device.index)
+    if use_tma and (x.data_ptr() % 16 or qkv_weight.data_ptr() % 16):
+        raise ValueError("qkv_norm_rope_produce: the TMA mainloop needs 16-byte aligned x and "
+                         "qkv_weight (pass use_tma=False for views at odd offsets)")
     if num_sms is None:
         num_sms = _sm_count(x.device.index) if on_gpu else _config.PRODUCER_INTERPRET_PROGRAMS
     num_tiles = triton.cdiv(rows, block_m) * plan.total_heads
