@@ -37,6 +37,8 @@ PRODUCER_NUM_STAGES: int = 3
 PRODUCER_GROUP_HEADS: int = 16
 # Grid of the persistent producer in the interpreter (no SMs to count there).
 PRODUCER_INTERPRET_PROGRAMS: int = 2
+# Default mainloop on sm_90+: tensor descriptors (TMA) rather than pointer loads.
+PRODUCER_USE_TMA: bool = True
 
 # -- paged KV-cache append (qk_rope_append.py, qk_rope_fp8_append.py) --
 # Every program scans q_indptr itself; a chunk of 128 int32 keeps that scan to
