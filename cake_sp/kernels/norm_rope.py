@@ -84,7 +84,7 @@ def rms_normalize(x, eps, D: tl.constexpr):
 
 @triton.jit
 def load_cos_sin(cos_sin_ptr, rows, row_stride, mask, D: tl.constexpr):
-    """Load the ``cos`` and ``sin`` halves of table rows ``rows`` as two fp32 ``[BLOCK_M, D/2]`` tiles.
+    """Load the ``cos`` and ``sin`` halves of table ``rows`` as two fp32 ``[BLOCK_M, D/2]`` tiles.
 
     ``rows`` is an int64 ``[BLOCK_M]`` vector of table row indices; masked rows read 0.
     """
@@ -97,7 +97,7 @@ def load_cos_sin(cos_sin_ptr, rows, row_stride, mask, D: tl.constexpr):
 
 @triton.jit
 def rope_rotate(x, cos, sin, BLOCK_M: tl.constexpr, D: tl.constexpr, STYLE: tl.constexpr):
-    """Rotate the channel pairs of an fp32 ``[BLOCK_M, D]`` tile by ``cos``/``sin`` ``[BLOCK_M, D/2]``.
+    """Rotate the channel pairs of an fp32 ``[BLOCK_M, D]`` tile by ``[BLOCK_M, D/2]`` cos, sin.
 
     For each pair ``(a, b)`` with frequency ``i``: ``a' = a cos_i - b sin_i``,
     ``b' = b cos_i + a sin_i``.  ``STYLE`` picks the pairing (``ROPE_STYLES``).

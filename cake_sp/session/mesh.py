@@ -108,7 +108,11 @@ def _probe_peers(index: int, uuids: list[str]) -> dict[str, PeerLink]:
 
     check(driver.cuInit(0))
     attr = driver.CUdevice_P2PAttribute
-    nvlinked = _nvml_nvlink_peers(index, len(uuids))
+    if len(uuids) == 1:
+        return {}
+    bus_ids = [check(driver.cuDeviceGetPCIBusId(32, ordinal)).split(b"\0")[0].decode()
+               for ordinal in range(len(uuids))]
+    nvlinked = _nvml_nvlink_peers(index, bus_ids)
     peers = {}
     for other, uuid in enumerate(uuids):
         if other == index:
@@ -121,24 +125,20 @@ def _probe_peers(index: int, uuids: list[str]) -> dict[str, PeerLink]:
     return peers
 
 
-def _nvml_nvlink_peers(index: int, count: int) -> set[int]:
+def _nvml_nvlink_peers(index: int, bus_ids: list[str]) -> set[int]:
     """Visible device ordinals whose link from ``index`` NVML reports as NVLink.
 
-    Ordinals are matched through PCI bus ids, since NVML ignores CUDA_VISIBLE_DEVICES.
+    Devices are matched by PCI bus id, since NVML ignores CUDA_VISIBLE_DEVICES.
     """
     import pynvml
 
     pynvml.nvmlInit()
     try:
-        def handle(ordinal):
-            bus_id = torch.cuda.get_device_properties(ordinal).pci_bus_id
-            return pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
-        mine = handle(index)
-        return {
-            other for other in range(count)
-            if other != index and pynvml.nvmlDeviceGetP2PStatus(
-                mine, handle(other), pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == pynvml.NVML_P2P_STATUS_OK
-        }
+        handles = [pynvml.nvmlDeviceGetHandleByPciBusId(b) for b in bus_ids]
+        nvlink = pynvml.NVML_P2P_CAPS_INDEX_NVLINK
+        return {other for other in range(len(bus_ids)) if other != index and
+                pynvml.nvmlDeviceGetP2PStatus(handles[index], handles[other], nvlink)
+                == pynvml.NVML_P2P_STATUS_OK}
     finally:
         pynvml.nvmlShutdown()
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from bf16_checks import assert_close_counting_flips
 
 from cake_sp.kernels.producer import qkv_norm_rope_produce
 from cake_sp.kernels.signals import (
@@ -257,7 +258,7 @@ class VirtualRanks:
 def _check_slots(vr: VirtualRanks, expected: list[dict[str, torch.Tensor]],
                  record_property) -> None:
     """Every rank's slot equals the oracle where the call writes, and the poison elsewhere."""
-    one_ulp = 0
+    one_ulp = flips = 0
     for r in range(vr.case.world):
         storage = vr.storage[r].cpu()
         written = torch.zeros(vr.elements, dtype=torch.bool)
@@ -266,15 +267,18 @@ def _check_slots(vr: VirtualRanks, expected: list[dict[str, torch.Tensor]],
         for name, view in _slot_views(written, vr.case, vr.capacity).items():
             view.fill_(True)
             ref = expected[r][name]
-            torch.testing.assert_close(got[name].float(), ref, **TOLERANCES[torch.bfloat16],
-                                       msg=lambda m, r=r, n=name: f"rank {r} {n}: {m}")
-            ulps = (got[name].view(torch.int16).int() - ref.bfloat16().view(torch.int16).int())
-            one_ulp += int((ulps.abs() == 1).sum())
+            style = None if name == "v" else vr.case.rope_style
+            counts = assert_close_counting_flips(got[name], ref, rope_style=style,
+                                                 head_dim=vr.case.head_dim,
+                                                 what=f"rank {r} {name}")
+            one_ulp += counts["one_ulp"]
+            flips += counts["intermediate_flips"]
         untouched = torch.cat((storage[:GUARD], storage[GUARD: GUARD + vr.elements][~written],
                                storage[GUARD + vr.elements:]))
         assert bool((untouched == POISON).all()), \
             f"rank {r}: {(untouched != POISON).sum()} elements outside the call were written"
     record_property("one_ulp", one_ulp)
+    record_property("intermediate_flips", flips)
 
 
 # ----------------------------------------------------------------------------- tests

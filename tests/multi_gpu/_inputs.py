@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from bf16_checks import assert_close_counting_flips
 from torch import Tensor
 
 from cake_sp import reference
 
 HEAD_DIM = 128
-BF16_TOL = {"atol": 1e-2, "rtol": 1e-2}
 
 
 @dataclass
@@ -65,17 +65,11 @@ def make_problem(seed: int, world: int, *, num_q_heads: int, num_kv_heads: int, 
                    norm() if norms else None, norm() if norms else None, tables, pos)
 
 
-def compare(got: Tensor, want: Tensor, what: str) -> dict:
-    """Assert ``got`` matches the reference within bf16 tolerance; count the differences.
+def compare(got: Tensor, want: Tensor, what: str, rope_style: str | None = None) -> dict:
+    """Assert ``got`` matches the reference (``bf16_checks``); count the differences.
 
-    Returns how many elements differ at all and how many of those by exactly one
-    bf16 ulp (fp32 summation order put them across a rounding boundary).
+    ``rope_style`` is the style the values were rotated with, None for V.
     """
-    got, want = got.detach().cpu(), want.detach().cpu()
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert got.dtype == torch.bfloat16, f"{what}: dtype {got.dtype}"
-    torch.testing.assert_close(got.float(), want.float(), **BF16_TOL, msg=lambda m: f"{what}: {m}")
-    differ = got.float() != want.float()
-    step = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
-    return {"elements": got.numel(), "differ": int(differ.sum()),
-            "one_ulp": int((differ & (step == 1)).sum())}
+    return assert_close_counting_flips(got, want, rope_style=rope_style, head_dim=HEAD_DIM,
+                                       what=what)
