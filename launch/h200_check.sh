@@ -26,10 +26,11 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 PY=python3
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts="-ra")
 
+# Each stage is cut at STAGE_TIMEOUT seconds (rc 124), so one hang cannot eat the whole run.
 run_stage() {
     local name=$1; shift
     local start=$SECONDS
-    "$@" > "$OUT/$name.log" 2>&1
+    timeout "${STAGE_TIMEOUT:-540}" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     printf '%-16s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" \
         "$(grep -E 'passed|failed|error|Error' "$OUT/$name.log" | tail -1 | cut -c1-110)" \
@@ -70,7 +71,7 @@ for stage in "$@"; do
             run_stage racecheck compute-sanitizer --tool racecheck --error-exitcode 9 \
                 "${PYTEST[@]}" tests/kernels/test_nvlink_inprocess.py -k "2-2-2" ;;
         bench-producer) run_stage bench-producer $PY benchmarks/kernels/bench_producer.py \
-                            --json "$OUT/bench_producer.json" ;;
+                            --json "$OUT/bench_producer.json" ${BENCH_PRODUCER_ARGS:-} ;;
         bench-append) run_stage bench-append $PY benchmarks/kernels/bench_qk_rope_append.py \
                           --json "$OUT/bench_append.json" ;;
         bench-fmha) run_stage bench-fmha $PY benchmarks/kernels/bench_fmha.py \
