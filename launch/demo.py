@@ -29,6 +29,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import torch.distributed as dist  # noqa: E402
 
 from cake_sp import QkvNormRopeExchangeOverlap, reference  # noqa: E402
+from cake_sp.testing import assert_close_counting_flips  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     k_norm = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16()
     table = reference.rope_cos_sin_table(world * rows, d)
     tables = [table[r * rows:(r + 1) * rows].contiguous() for r in range(world)]
-    times, worst = [], 0.0
+    times, worst, flips = [], 0.0, 0
     with QkvNormRopeExchangeOverlap(num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                                     hidden=args.hidden, max_tokens=rows, layout=args.layout,
                                     rope_style=args.rope_style, backend=args.backend,
@@ -93,9 +94,13 @@ def main(argv: list[str] | None = None) -> int:
                 want = reference.qkv_norm_rope_exchange(
                     xs, weight, q_norm, k_norm, tables, num_q_heads=hq, num_kv_heads=hkv,
                     rope_style=args.rope_style, layout=args.layout)[rank]
-                pairs = [(got, want)] if args.layout == "fused" else zip(got, want)
-                for a, b in pairs:
-                    torch.testing.assert_close(a.float().cpu(), b.float(), atol=1e-2, rtol=1e-2)
+                if args.layout == "fused":
+                    checks = [(got, want, args.rope_style)]
+                else:
+                    checks = zip(got, want, (args.rope_style, args.rope_style, None))
+                for a, b, style in checks:
+                    counts = assert_close_counting_flips(a, b, rope_style=style)
+                    flips += counts["intermediate_flips"]
                     worst = max(worst, (a.float().cpu() - b.float()).abs().max().item())
     per_rank = [None] * world
     dist.all_gather_object(per_rank, times)
@@ -108,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|")
         print(f"| {args.calls} | {slowest[0] * 1e3:.2f} | {statistics.median(steady) * 1e3:.2f} "
               f"| {min(steady) * 1e3:.2f} | {worst:.3g} |")
-        print("every rank matched the reference", flush=True)
+        print(f"every rank matched the reference (rank 0: {flips} elements off by an "
+              "intermediate bf16 flip, see cake_sp.testing)", flush=True)
     dist.destroy_process_group()
     return 0
 

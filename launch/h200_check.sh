@@ -54,7 +54,7 @@ EOF
 
 for stage in "$@"; do
     case $stage in
-        env) run_stage env stage_env ;;
+        env) run_stage env bash -c "$(declare -f stage_env); PY=$PY stage_env" ;;
         unit) run_stage unit "${PYTEST[@]}" tests/unit ;;
         kernels) run_stage kernels "${PYTEST[@]}" tests/kernels ;;
         kernels-nvlink) run_stage kernels-nvlink "${PYTEST[@]}" tests/kernels/test_producer.py \
@@ -63,6 +63,7 @@ for stage in "$@"; do
                             tests/kernels/test_qk_rope_fp8_append.py ;;
         kernels-fmha) run_stage kernels-fmha "${PYTEST[@]}" tests/kernels -k fmha ;;
         shared) run_stage shared env CAKE_SP_TEST_DEVICE=cuda-shared CAKE_SP_TEST_BACKEND=nvlink \
+                    CAKE_SP_TEST_WORLDS=${SHARED_WORLDS:-2,4,8} \
                     "${PYTEST[@]}" -s tests/multi_gpu/test_session.py ;;
         demo) run_stage demo torchrun --standalone --nproc-per-node=1 launch/demo.py ;;
         sanitizer)

@@ -192,15 +192,16 @@ def reference_heads(p: dict, rows: int, round_projection: bool) -> dict[str, tor
 
 def check_buffers(p: dict, ref: dict[str, torch.Tensor], rows: int, arm: str) -> None:
     from cake_sp.session.plan import KIND_K, KIND_Q, KIND_V
+    from cake_sp.testing import assert_close_counting_flips
 
     plan = p["plan"]
     for r in range(plan.world_size):
         got = dest_views(p, r, rows)
         for kind, name in zip((KIND_Q, KIND_K, KIND_V), "qkv", strict=True):
-            torch.testing.assert_close(
-                got[name].float(), ref[name][:, _slice(plan.source_heads(r, kind))],
-                **TOLERANCE,
-                msg=lambda m, r=r, n=name: f"{arm}: destination {r} {n}: {m}")
+            assert_close_counting_flips(
+                got[name], ref[name][:, _slice(plan.source_heads(r, kind))],
+                rope_style=None if name == "v" else p["rope_style"],
+                what=f"{arm}: destination {r} {name}")
 
 
 def check_projection(p: dict, out: torch.Tensor, rows: int) -> None:

@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from bf16_checks import assert_close_counting_flips
 
 from cake_sp.kernels.producer import qkv_norm_rope_produce
 from cake_sp.kernels.signals import (
@@ -32,6 +31,7 @@ from cake_sp.kernels.signals import (
     wait_ready,
 )
 from cake_sp.session.plan import DestLayout, HeadPlan, ReadinessLayout
+from cake_sp.testing import assert_close_counting_flips
 
 # DESIGN.md section 1: bf16 outputs against the fp32 reference.
 TOLERANCES = {torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}

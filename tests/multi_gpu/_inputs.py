@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from bf16_checks import assert_close_counting_flips
 from torch import Tensor
 
 from cake_sp import reference
+from cake_sp.testing import assert_close_counting_flips
 
 HEAD_DIM = 128
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -63,6 +65,7 @@ def _rank_main(rank: int, world: int, port: int, cases: list, out_dir: str) -> N
     ctx = RankContext(rank, world, device, backend)
     reports = {}
     for case in cases:
+        start = time.perf_counter()
         try:
             reports[case.__name__] = case(ctx) or {}
         except Exception as exc:
@@ -70,6 +73,9 @@ def _rank_main(rank: int, world: int, port: int, cases: list, out_dir: str) -> N
                                       "traceback": traceback.format_exc()}
         # Keep the ranks in step, so an error on one rank shows as that case's report.
         dist.barrier()
+        if rank == 0:  # progress, for runs that a time limit may cut
+            print(f"W={world} {case.__name__}: {time.perf_counter() - start:.1f} s",
+                  file=sys.stderr, flush=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(reports, f)
     dist.destroy_process_group()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bf16_checks import assert_close_counting_flips, bf16_ulp
 
 from cake_sp import reference
+from cake_sp.testing import assert_close_counting_flips, bf16_ulp
 
 
 def _rotated(pre_rope: torch.Tensor, style: str) -> torch.Tensor:

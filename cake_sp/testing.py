@@ -1,4 +1,4 @@
-"""Comparing bf16 outputs of the session's math with the reference.
+"""Comparing bf16 outputs of the session math with ``cake_sp.reference`` (tests, demo, benches).
 
 The contract (DESIGN.md section 1) rounds to bf16 twice before RoPE: the
 normalised value, then its product with the norm weight.  A kernel whose fp32
