@@ -10,7 +10,7 @@ although nothing is wrong.
 
 ``assert_close_counting_flips`` keeps the 1e-2 tolerance for every element and
 accepts an element beyond it only when one intermediate flip explains it:
-``|got - want| <= 2 ulp(|pair|) + ulp(want)``, with ``|pair| = hypot(a', b')``
+``|got - want| <= n ulp(|pair|) + ulp(want)`` (n = 2 roundings), with ``|pair| = hypot(a', b')``
 the pair's length, which the rotation preserves, so it bounds ``|a|`` and
 ``|b|``.  Those elements must stay rare and are counted, never hidden.
 """
@@ -43,10 +43,13 @@ def rope_pair_length(x: Tensor, head_dim: int, rope_style: str) -> Tensor:
 
 
 def assert_close_counting_flips(got: Tensor, want: Tensor, *, rope_style: str | None,
-                                head_dim: int = 128, what: str = "") -> dict:
+                                head_dim: int = 128, what: str = "",
+                                intermediate_roundings: int = 2) -> dict:
     """Assert ``got`` (bf16) matches ``want`` as the module docstring says; return the counts.
 
     ``rope_style`` None means the values were not rotated (V): plain tolerance.
+    ``intermediate_roundings``: bf16 roundings before RoPE (2 in the contract; a
+    front end that also rounds the projection to bf16 has 3 and more error).
     """
     got, want = got.detach().float().cpu(), want.detach().float().cpu()
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -57,7 +60,8 @@ def assert_close_counting_flips(got: Tensor, want: Tensor, *, rope_style: str | 
     if beyond.any():
         if rope_style is None:
             torch.testing.assert_close(got, want, **BF16_TOL, msg=lambda m: f"{what}: {m}")
-        bound = 2 * bf16_ulp(rope_pair_length(want, head_dim, rope_style)) + bf16_ulp(want)
+        bound = (intermediate_roundings * bf16_ulp(rope_pair_length(want, head_dim, rope_style))
+                 + bf16_ulp(want))
         unexplained = beyond & ~(err <= bound)
         flips = int(beyond.sum())
         assert not unexplained.any(), (

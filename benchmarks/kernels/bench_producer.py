@@ -201,7 +201,9 @@ def check_buffers(p: dict, ref: dict[str, torch.Tensor], rows: int, arm: str) ->
             assert_close_counting_flips(
                 got[name], ref[name][:, _slice(plan.source_heads(r, kind))],
                 rope_style=None if name == "v" else p["rope_style"],
-                what=f"{arm}: destination {r} {name}")
+                what=f"{arm}: destination {r} {name}",
+                # The eager arm rounds the projection to bf16 too (cuBLAS bf16 out).
+                intermediate_roundings=3 if arm == "eager" else 2)
 
 
 def check_projection(p: dict, out: torch.Tensor, rows: int) -> None:
