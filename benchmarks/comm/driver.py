@@ -34,7 +34,7 @@ from _harness import (
 from _report import arms_table, plot_speedups, progress, summary_table, write_json
 from arms import ARMS, FUSED_ARMS, ArmSkipped, build_arm, skip_reason
 from bench_link import SIZES_CPU, SIZES_CUDA, link_tables, measure_link
-from problem import Inputs, compare, expected_outputs, make_inputs
+from problem import ROPE_STYLE, Inputs, compare, expected_outputs, make_inputs
 from rows import Row, select_rows
 
 SCHEMA = "cake_sp.bench.qkv_norm_rope_exchange_overlap/1"
@@ -83,8 +83,13 @@ def verify(ctx: BenchContext, arm, expected: dict) -> tuple[bool, list[dict]]:
     arm.run()
     got = arm.outputs()
     synchronize(ctx)
-    mine = {name: compare(g, w)
-            for name, g, w in zip("qkv", got, expected[arm.reference], strict=True)}
+    # Baselines that round the projection to bf16 (cuBLAS bf16 out) have one more
+    # bf16 rounding before RoPE than the contract.
+    roundings = 3 if arm.reference == "bf16_projection" else 2
+    styles = (ROPE_STYLE, ROPE_STYLE, None)
+    mine = {name: compare(g, w, style, roundings)
+            for name, g, w, style in zip("qkv", got, expected[arm.reference], styles,
+                                         strict=True)}
     reports: list = [None] * ctx.world_size
     dist.all_gather_object(reports, mine, group=ctx.control)
     ok = all(r[name]["mismatches"] == 0 for r in reports for name in "qkv")

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from cake_sp import reference
 from cake_sp.session.plan import KIND_K, KIND_Q, KIND_V, HeadPlan
+from cake_sp.testing import assert_close_counting_flips
 
 from rows import Row
 
@@ -129,23 +130,32 @@ def expected_outputs(row: Row, world: int, rank: int, inputs: Inputs,
     return {name: tuple(torch.cat(p, dim=1) for p in kinds) for name, kinds in pieces.items()}
 
 
-def compare(got: Tensor, want: Tensor) -> dict:
+def compare(got: Tensor, want: Tensor, rope_style: str | None,
+            intermediate_roundings: int = 2) -> dict:
     """Element counts of ``got`` against the reference ``want`` (bf16, same shape).
 
-    ``mismatches``: outside ``BF16_TOL`` (the arm fails); ``differ``: not bit-equal;
-    ``one_ulp``: of those, one bf16 ulp apart (fp32 summation order across a
-    rounding boundary, expected and reported, never hidden).
+    ``mismatches``: outside ``BF16_TOL`` and not explained by one intermediate
+    bf16 flip (``cake_sp.testing``; the arm fails); ``flips``: beyond the tolerance
+    but so explained, counted, never hidden; ``differ``: not bit-equal;
+    ``one_ulp``: at most one bf16 ulp apart.
     """
     if got.shape != want.shape or got.dtype != want.dtype:
         return {"elements": want.numel(), "mismatches": want.numel(), "differ": want.numel(),
-                "one_ulp": 0, "max_abs_err": float("inf"),
+                "one_ulp": 0, "flips": 0, "max_abs_err": float("inf"),
                 "error": f"got {got.dtype} {tuple(got.shape)}, want {want.dtype} "
                          f"{tuple(want.shape)}"}
-    g, w = got.float(), want.float()
-    close = torch.isclose(g, w, **BF16_TOL)
-    differ = g != w
-    step = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
-    diff = (g - w).abs()
-    return {"elements": want.numel(), "mismatches": int((~close).sum()),
-            "differ": int(differ.sum()), "one_ulp": int((differ & (step == 1)).sum()),
-            "max_abs_err": float(diff.nan_to_num(float("inf")).max()) if diff.numel() else 0.0}
+    diff = (got.float() - want.float()).abs()
+    report = {"max_abs_err": float(diff.nan_to_num(float("inf")).max()) if diff.numel() else 0.0}
+    try:
+        # A bf16-rounded projection flips about ten times as often (see bench_producer).
+        counts = assert_close_counting_flips(
+            got, want, rope_style=rope_style, intermediate_roundings=intermediate_roundings,
+            max_flip_fraction=1e-5 if intermediate_roundings == 2 else 1e-4)
+    except AssertionError as exc:
+        close = torch.isclose(got.float(), want.float(), **BF16_TOL)
+        return {**report, "elements": want.numel(), "mismatches": max(1, int((~close).sum())),
+                "differ": int((got != want).sum()), "one_ulp": 0, "flips": 0,
+                "error": str(exc)}
+    return {**report, "elements": counts["elements"], "mismatches": 0,
+            "differ": counts["differ"], "one_ulp": counts["one_ulp"],
+            "flips": counts["intermediate_flips"]}

@@ -203,7 +203,9 @@ def check_buffers(p: dict, ref: dict[str, torch.Tensor], rows: int, arm: str) ->
                 rope_style=None if name == "v" else p["rope_style"],
                 what=f"{arm}: destination {r} {name}",
                 # The eager arm rounds the projection to bf16 too (cuBLAS bf16 out).
-                intermediate_roundings=3 if arm == "eager" else 2)
+                intermediate_roundings=3 if arm == "eager" else 2,
+                # ... and so flips about ten times as often (6 in 524288 at hidden 8192).
+                max_flip_fraction=1e-4 if arm == "eager" else 1e-5)
 
 
 def check_projection(p: dict, out: torch.Tensor, rows: int) -> None:
