@@ -102,8 +102,10 @@ wants facts && step facts "${LOG}_facts.log" facts
 
 if wants tests; then
   for backend in $TEST_BACKENDS; do
+    # The NVLink run asks for "auto" (the mesh must choose nvlink); the NCCL run forces nccl.
+    request=$([[ $backend == nvlink ]] && echo auto || echo nccl)
     step "tests ($backend)" "${LOG}_tests_${backend}.log" env CAKE_SP_TEST_DEVICE=$TEST_DEVICE \
-      CAKE_SP_TEST_WORLDS=$W CAKE_SP_TEST_BACKEND=$backend \
+      CAKE_SP_TEST_WORLDS=$W CAKE_SP_TEST_BACKEND=$backend CAKE_SP_TEST_REQUEST=$request \
       "$PYTHON" -m pytest tests/multi_gpu -m multi_gpu -q
   done
 fi
