@@ -55,8 +55,7 @@ class NcclExchange:
         plan, world = self._plan, self._plan.world_size
         if world == 1:
             slot = self.slots.advance()
-            self._produce(call, self.slots.layout(call.seq_global), self.slots.table(slot),
-                          dest_seq_offset=0)
+            self._produce(call, self.slots.layout(call.seq_global), self.slots.table(slot))
             return deliver(self.slots.views(slot, call.batch, call.seq_global), out)
         chunk = call.rows * plan.heads_per_rank * plan.head_dim
         send_layout = DestLayout.for_layout(plan, self._layout, token_capacity=call.rows,
@@ -64,7 +63,7 @@ class NcclExchange:
         # Destination d's chunk starts d * chunk elements into the send buffer.
         torch.mul(self._rank_index, chunk * self._send.element_size(), out=self._send_table)
         self._send_table.add_(self._send.data_ptr())
-        self._produce(call, send_layout, self._send_table, dest_seq_offset=0)
+        self._produce(call, send_layout, self._send_table)
         dist.all_to_all_single(self._recv[: world * chunk].view(torch.uint8),
                                self._send[: world * chunk].view(torch.uint8), group=self._group)
         views = out if out is not None else self.slots.views(
@@ -79,12 +78,12 @@ class NcclExchange:
                 source.view(world, batch, call.seq_local, heads, width).transpose(0, 1))
         return views
 
-    def _produce(self, call: CallInputs, dest: DestLayout, table: torch.Tensor,
-                 dest_seq_offset: int) -> None:
+    def _produce(self, call: CallInputs, dest: DestLayout, table: torch.Tensor) -> None:
+        """The fused kernel, without signals; this rank's tokens start each destination row."""
         qkv_norm_rope_produce(
             call.x2d, call.qkv_weight, call.qkv_bias, call.q_norm_weight, call.k_norm_weight,
             call.rope_cos_sin, call.positions, plan=self._plan, dest=dest, dest_table=table,
-            seq_local=call.seq_local, dest_seq_offset=dest_seq_offset, eps=self._eps,
+            seq_local=call.seq_local, dest_seq_offset=0, eps=self._eps,
             rope_style=self._rope_style)
 
     def close(self) -> None:
