@@ -23,16 +23,19 @@ from cake_sp.session.mesh import (
     Backend,
     BackendDecision,
     EnvOverrides,
-    UlyssesBackendError,
     decide_backend,
     probe_mesh,
 )
-from cake_sp.session.plan import LAYOUTS, HeadPlan
+from cake_sp.session.plan import DestLayout, HeadPlan
 from cake_sp.session.slots import CallInputs
 
 SUPPORTED_HEAD_DIMS = (128,)
-_ERRORS = {"ValueError": ValueError, "TypeError": TypeError,
-           "UlyssesBackendError": UlyssesBackendError}
+# What local validation may raise; re-raised on every rank after the all-gather.
+_ERRORS = {"ValueError": ValueError, "TypeError": TypeError}
+# The producer's GEMM steps over hidden in blocks of at least 16 (and its TMA
+# mainloop reads 16-byte aligned rows), so both are checked before any launch.
+HIDDEN_MULTIPLE = 16
+ALIGNMENT_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,8 @@ class SessionConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {self.head_dim}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.hidden % HIDDEN_MULTIPLE:
+            raise ValueError(f"hidden must be a multiple of {HIDDEN_MULTIPLE}, got {self.hidden}")
         rope_style_code(self.rope_style)
         if self.backend not in tuple(b.value for b in Backend):
             raise ValueError(f"backend must be one of {[b.value for b in Backend]}, "
@@ -74,9 +77,8 @@ class SessionConfig:
             if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive finite number, got {value!r}")
         plan = HeadPlan(world_size, self.num_q_heads, self.num_kv_heads, self.head_dim)
-        if self.layout == "fused" and self.num_q_heads != self.num_kv_heads:
-            raise ValueError("layout='fused' needs num_q_heads == num_kv_heads (no GQA), got "
-                             f"{self.num_q_heads} and {self.num_kv_heads}")
+        # Rejects an unknown layout, and "fused" with GQA, with the layout's own message.
+        DestLayout.for_layout(plan, self.layout, token_capacity=1, seq_len=1)
         return plan
 
 
@@ -242,6 +244,10 @@ class QkvNormRopeExchangeOverlap:
             raise ValueError(f"x has B * S_local = {rows} rows; the session takes 1 to "
                              f"max_tokens={cfg.max_tokens}")
         _check_tensor("qkv_weight", qkv_weight, bf16, self.device, shape=(n, cfg.hidden))
+        for name, tensor in (("x", x), ("qkv_weight", qkv_weight)):
+            if tensor.data_ptr() % ALIGNMENT_BYTES:
+                raise ValueError(f"{name} must start at a {ALIGNMENT_BYTES}-byte aligned address "
+                                 f"(a fresh tensor does), got {tensor.data_ptr():#x}")
         _check_tensor("qkv_bias", qkv_bias, bf16, self.device, shape=(n,), optional=True)
         _check_tensor("q_norm_weight", q_norm_weight, bf16, self.device, shape=(d,),
                       optional=True)

@@ -138,6 +138,7 @@ def case_bad_configuration_raises_everywhere(ctx):
                       "num_q_heads == num_kv_heads"),
         "head_dim": ({**base, "head_dim": 96}, ValueError, "head_dim must be one of"),
         "max_tokens": ({**base, "max_tokens": 0}, ValueError, "max_tokens must be >= 1"),
+        "hidden": ({**base, "hidden": HIDDEN + 8}, ValueError, "hidden must be a multiple of 16"),
         # Only rank 0 differs: every rank must still raise, none may hang.
         "mismatch": ({**base, "max_tokens": 64 + (ctx.rank == 0)}, ValueError,
                      "different configurations"),
@@ -178,6 +179,9 @@ def case_bad_call_inputs_raise_before_any_collective(ctx):
                                          ValueError, "one row per token"),
             "noncontiguous": ((torch.cat([x, x], -1)[..., :HIDDEN], weight, qn, kn, table, pos),
                               ValueError, "contiguous"),
+            # Contiguous, but one element into its storage: not 16-byte aligned.
+            "misaligned": ((torch.cat([x.flatten(), x.flatten()])[1: 1 + x.numel()].view_as(x),
+                            weight, qn, kn, table, pos), ValueError, "16-byte aligned"),
         }
         for name, (args, exc_type, fragment) in bad.items():
             report[name] = _expect_error(lambda a=args: session(*a, qkv_bias=bias), exc_type,
