@@ -77,10 +77,8 @@ def test_slots_match_reference_and_nothing_else_is_written(device, world, hq, hk
     plan, ranks = _exchanges(world, hq, hkv, layout=layout, max_tokens=max_tokens,
                              device=device, rope_style=rope_style)
     for ex in ranks:
-        for s in range(ex.slots.num_slots):
-            ex.slots.views(s, 1, max_tokens * world)  # the full slot is addressable
-        ex.slots._buffers[0].fill_(POISON)
-        ex.slots._buffers[1].fill_(POISON)
+        for buffer in ex.slots._buffers:
+            buffer.fill_(POISON)
     # Call 1: a tail row block (150 rows = one full block of 128 and a partial one).
     # Call 2 (same slot ring, next slot): fewer rows, words reused without memset.
     for call_index, (batch, seq_local) in enumerate([(2, 75), (1, 37)]):
