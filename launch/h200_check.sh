@@ -9,15 +9,17 @@
 # processes sharing GPU 0 over the NVLink path, nvshmem4py), demo (one rank, NCCL path),
 # sanitizer (compute-sanitizer memcheck + racecheck on the in-process NVLink protocol),
 # bench-producer, bench-append, bench-fmha, bench-comm (the comm benchmark with ranks sharing GPU 0).
-# Python wheels missing on the machine (nvshmem4py) may be carried in .whl/; they are installed
-# into /tmp/site. The project itself runs from the tree (PYTHONPATH), not from an install.
+# PARALLEL=1 runs the named stages concurrently (test stages only: benchmarks need the GPU
+# to themselves). Python wheels missing on the machine (nvshmem4py) may be carried in .whl/;
+# they are installed into /tmp/site. The project itself runs from the tree (PYTHONPATH), not
+# from an install.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
+if compgen -G ".whl/*.whl" > /dev/null && [ ! -d /tmp/site/nvshmem ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -52,7 +54,8 @@ EOF
     git rev-parse HEAD 2>/dev/null || true
 }
 
-for stage in "$@"; do
+run_named() {
+    local stage=$1
     case $stage in
         env) run_stage env bash -c "$(declare -f stage_env); PY=$PY stage_env" ;;
         unit) run_stage unit "${PYTEST[@]}" tests/unit ;;
@@ -80,7 +83,16 @@ for stage in "$@"; do
         bench-comm) run_stage bench-comm env CAKE_SP_ALLOW_SHARED_GPU=1 torchrun --standalone \
                         --nproc-per-node=2 benchmarks/comm/bench_qkv_norm_rope_exchange_overlap.py \
                         --dist-backend gloo --rows representative --json "$OUT/bench_comm.json" ;;
-        *) echo "unknown stage $stage" >&2; exit 2 ;;
+        *) echo "unknown stage $stage" >&2; return 2 ;;
     esac
+}
+
+for stage in "$@"; do
+    if [ "${PARALLEL:-0}" = 1 ]; then
+        run_named "$stage" &
+    else
+        run_named "$stage"
+    fi
 done
+wait
 cat "$OUT/summary.txt"

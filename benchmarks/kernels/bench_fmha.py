@@ -7,10 +7,14 @@ and as a fraction of the measured HBM copy bandwidth.  Context rows: one
 causal sequence of T tokens, GQA 32/8, D = 128, bf16; reported in TFLOP/s
 (causal FLOPs ``2 * 2 * T^2 / 2 * Hq * D``).
 
-Times are CUDA-event medians over ``--reps`` launches after ``--warmup``, with
-a 256 MiB L2 flush between launches.  SDPA's best backend is the fastest of
-cuDNN, FlashAttention and memory-efficient that accepts the problem (GQA
-through ``enable_gqa``, so no backend reads repeated K/V).
+Each arm's call is captured once in a CUDA graph; times are CUDA-event medians
+over ``--reps`` replays after ``--warmup``, with a 256 MiB L2 flush between
+replays.  Replaying a graph leaves the host's launch cost out for both arms, as
+in a serving loop that replays its decode step; ``--eager`` times plain calls
+instead (the host cost of the Python front end then shows at small rows).
+SDPA's best backend is the fastest of cuDNN, FlashAttention and memory-efficient
+that accepts the problem (GQA through ``enable_gqa``, so no backend reads
+repeated K/V).
 
     python benchmarks/kernels/bench_fmha.py --json fmha.json [--quick]
 
@@ -23,6 +27,7 @@ import argparse
 import json
 import math
 import statistics
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +41,28 @@ CONTEXT_TOKENS = (4096, 8192, 16384, 32768, 65536)
 HEAD_DIM = 128
 
 
-def _time_ms(fn, warmup: int, reps: int) -> float:
+@dataclass(frozen=True)
+class Timing:
+    warmup: int
+    reps: int
+    eager: bool = False
+
+
+def _time_ms(fn, timing: Timing) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph (or called, with ``timing.eager``)."""
+    warmup, reps = timing.warmup, timing.reps
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    fn()
+    if not timing.eager:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        fn = graph.replay
     for _ in range(warmup):
         fn()
     times = []
@@ -52,15 +77,15 @@ def _time_ms(fn, warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def hbm_bandwidth_gbs(warmup: int, reps: int) -> float:
+def hbm_bandwidth_gbs(timing: Timing) -> float:
     """Measured device-to-device copy bandwidth (read + write bytes), GB/s."""
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), warmup, reps)
+    ms = _time_ms(lambda: dst.copy_(src), timing)
     return 2 * src.numel() / ms / 1e6
 
 
-def sdpa_best_ms(q, k, v, causal: bool, warmup: int, reps: int) -> tuple[float, str]:
+def sdpa_best_ms(q, k, v, causal: bool, timing: Timing) -> tuple[float, str]:
     """Fastest SDPA backend on ``q [B, Hq, S, D]``, ``k, v [B, Hkv, L, D]``: (ms, name).
 
     GQA goes through ``enable_gqa`` (no K/V copy); a backend that refuses the
@@ -76,7 +101,7 @@ def sdpa_best_ms(q, k, v, causal: bool, warmup: int, reps: int) -> tuple[float, 
                 fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                             enable_gqa=True)
                 fn()
-                ms = _time_ms(fn, warmup, reps)
+                ms = _time_ms(fn, timing)
         except RuntimeError:
             continue
         best = min(best, (ms, backend.name))
@@ -100,7 +125,7 @@ def _paged_problem(b, hkv, length, page_size, kv_dtype):
     return cache, table, contiguous(0), contiguous(1)
 
 
-def bench_decode(b, length, hq, hkv, fp8, page_size, hbm, warmup, reps) -> dict:
+def bench_decode(b, length, hq, hkv, fp8, page_size, hbm, timing) -> dict:
     q = torch.randn(b, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     cache, table, k, v = _paged_problem(b, hkv, length, page_size, kv_dtype)
@@ -109,8 +134,8 @@ def bench_decode(b, length, hq, hkv, fp8, page_size, hbm, warmup, reps) -> dict:
     out = torch.empty_like(q)
     ours = _time_ms(lambda: cake_sp.batch_decode_with_kv_cache(
         q, cache, ws, table, seq_lens, length, bmm1_scale=HEAD_DIM ** -0.5, out=out),
-        warmup, reps)
-    sdpa_ms, backend = sdpa_best_ms(q[:, :, None], k, v, False, warmup, reps)
+        timing)
+    sdpa_ms, backend = sdpa_best_ms(q[:, :, None], k, v, False, timing)
     kv_bytes = 2 * b * hkv * length * HEAD_DIM * cache.element_size()
     sdpa_bytes = 2 * b * hkv * length * HEAD_DIM * 2
     ours_gbs, sdpa_gbs = kv_bytes / ours / 1e6, sdpa_bytes / sdpa_ms / 1e6
@@ -120,7 +145,7 @@ def bench_decode(b, length, hq, hkv, fp8, page_size, hbm, warmup, reps) -> dict:
                 time_ratio=sdpa_ms / ours)
 
 
-def bench_context(tokens, page_size, warmup, reps, hq=32, hkv=8) -> dict:
+def bench_context(tokens, page_size, timing, hq=32, hkv=8) -> dict:
     q = torch.randn(tokens, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     cache, table, k, v = _paged_problem(1, hkv, tokens, page_size, torch.bfloat16)
     lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
@@ -129,9 +154,8 @@ def bench_context(tokens, page_size, warmup, reps, hq=32, hkv=8) -> dict:
     out = torch.empty_like(q)
     ours = _time_ms(lambda: cake_sp.batch_context_with_kv_cache(
         q, cache, ws, table, lens, tokens, tokens, HEAD_DIM ** -0.5, 1.0, 1, cu, cu, out=out),
-        warmup, reps)
-    sdpa_ms, backend = sdpa_best_ms(q.transpose(0, 1)[None].contiguous(), k, v, True, warmup,
-                                    reps)
+        timing)
+    sdpa_ms, backend = sdpa_best_ms(q.transpose(0, 1)[None].contiguous(), k, v, True, timing)
     flops = 4 * tokens * tokens / 2 * hq * HEAD_DIM
     return dict(op="context", tokens=tokens, heads=f"{hq}/{hkv}", ours_ms=ours,
                 sdpa_ms=sdpa_ms, sdpa_backend=backend, ours_tflops=flops / ours / 1e9,
@@ -165,10 +189,13 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--eager", action="store_true",
+                        help="time plain calls instead of CUDA-graph replays")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fmha needs a CUDA GPU")
-    hbm = hbm_bandwidth_gbs(args.warmup, args.reps)
+    timing = Timing(args.warmup, args.reps, args.eager)
+    hbm = hbm_bandwidth_gbs(timing)
     rows = []
     ops = args.ops.split(",")
     if "decode" in ops:
@@ -179,11 +206,11 @@ def main() -> None:
                 for b in batches:
                     for length in lens:
                         rows.append(bench_decode(b, length, hq, hkv, fp8, args.page_size, hbm,
-                                                 args.warmup, args.reps))
+                                                 timing))
                         print(rows[-1], flush=True)
     if "context" in ops:
         for tokens in ((4096,) if args.quick else CONTEXT_TOKENS):
-            rows.append(bench_context(tokens, args.page_size, args.warmup, args.reps))
+            rows.append(bench_context(tokens, args.page_size, timing))
             print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -10,18 +10,20 @@ batch entry, so this rank has ``rows = S_local = S_global / W`` tokens.  Arms,
 all on this rank's rows, every destination buffer local (an in-process
 pointer table of W buffers, so the stores cost HBM bandwidth, not NVLink):
 
-* ``cublas``: ``F.linear(x, qkv_weight, bias)``, the projection alone, bf16 out;
-* ``producer`` / ``producer_tma``: ``qkv_norm_rope_produce`` without signals
-  (pointer and tensor-descriptor mainloops): GEMM + QK RMSNorm + RoPE + stores
-  of every head band at its destination's offset;
+* ``cublas``: ``x @ qkv_weight.T`` alone (cuBLAS through ``torch.matmul``), bf16 out;
+* ``producer``: ``qkv_norm_rope_produce`` without signals, its default launch
+  (tensor-descriptor mainloop on sm_90+): GEMM + bias + QK RMSNorm + RoPE +
+  stores of every head band at its destination's offset;
 * ``eager``: the per-operator front end: ``F.linear``, RMSNorm and RoPE as torch
   ops, then one copy per destination and kind into the same buffers.
 
 Each arm is checked against the fp32 reference (``cake_sp.reference``) on the
 first ``--check-rows`` rows, atol = rtol = 1e-2, before it is timed; the eager
-arm against the same steps from a bf16-rounded projection, which is its math.  Times are
-medians of ``triton.testing.do_bench`` (L2 flushed before every call), inputs
-fresh random per row.  ``TFLOP/s`` counts the projection's ``2 * rows * N * hidden``.
+arm against the same steps from a bf16-rounded projection, which is its math.  Each
+arm is captured once in a CUDA graph and timed as medians of
+``triton.testing.do_bench`` over replays (L2 flushed before every replay), so the
+host's launch cost is left out of every arm; inputs fresh random per row.
+``TFLOP/s`` counts the projection's ``2 * rows * N * hidden``.
 """
 
 from __future__ import annotations
@@ -105,14 +107,14 @@ def dest_views(p: dict, rank: int, rows: int) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- arms
 
 
-def producer_arm(p: dict, use_tma: bool) -> Callable[[], None]:
+def producer_arm(p: dict) -> Callable[[], None]:
     from cake_sp.kernels.producer import qkv_norm_rope_produce
 
     def run():
         qkv_norm_rope_produce(
             p["x"], p["weight"], p["bias"], p["q_norm"], p["k_norm"], p["cos_sin"], None,
             plan=p["plan"], dest=p["dest"], dest_table=p["table"], seq_local=p["rows"],
-            dest_seq_offset=0, eps=EPS, rope_style=p["rope_style"], use_tma=use_tma)
+            dest_seq_offset=0, eps=EPS, rope_style=p["rope_style"])
     return run
 
 
@@ -125,7 +127,7 @@ def cublas_arm(p: dict) -> tuple[Callable[[], None], torch.Tensor]:
                       device=p["x"].device)
 
     def run():
-        torch.matmul(p["x"], p["weight"].T, out=out).add_(p["bias"])
+        torch.matmul(p["x"], p["weight"].T, out=out)
     return run, out
 
 
@@ -209,20 +211,17 @@ def check_buffers(p: dict, ref: dict[str, torch.Tensor], rows: int, arm: str) ->
 
 
 def check_projection(p: dict, out: torch.Tensor, rows: int) -> None:
-    expected = p["x"][:rows].float() @ p["weight"].float().T + p["bias"].float()
+    expected = p["x"][:rows].float() @ p["weight"].float().T
     torch.testing.assert_close(out[:rows].float(), expected, **TOLERANCE)
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def checked_front_ends(p: dict, check_rows: int, tma: bool) -> dict[str, Callable[[], None]]:
-    """The producer arm(s) and the eager arm, each run once into NaN-poisoned buffers
+def checked_front_ends(p: dict, check_rows: int) -> dict[str, Callable[[], None]]:
+    """The producer arm and the eager arm, each run once into NaN-poisoned buffers
     and checked against the reference."""
-    arms = {"producer": producer_arm(p, use_tma=False)}
-    if tma:
-        arms["producer_tma"] = producer_arm(p, use_tma=True)
-    arms["eager"] = eager_arm(p)
+    arms = {"producer": producer_arm(p), "eager": eager_arm(p)}
     for name, fn in arms.items():
         for b in p["buffers"]:
             b.fill_(float("nan"))
@@ -240,28 +239,41 @@ def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
     cublas, cublas_out = cublas_arm(p)
     cublas()
     check_projection(p, cublas_out, check_rows)
-    arms = dict(cublas=cublas, **checked_front_ends(p, check_rows,
-                                                    tma=torch.cuda.get_device_capability()[0] >= 9))
-    ms = {name: triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms,
+    arms = dict(cublas=cublas, **checked_front_ends(p, check_rows))
+    ms = {name: triton.testing.do_bench(graphed(fn), warmup=args.warmup_ms, rep=args.rep_ms,
                                         return_mode="median") for name, fn in arms.items()}
     flop = 2 * rows * p["weight"].shape[0] * hidden
-    best = min(v for k, v in ms.items() if k.startswith("producer"))
     return dict(world=world, hidden=hidden, seq_global=seq_global, rows=rows,
                 q_heads=p["plan"].num_q_heads, kv_heads=NUM_KV_HEADS, ms=ms,
-                producer_over_cublas=best / ms["cublas"], eager_over_producer=ms["eager"] / best,
-                producer_tflops=flop / best / 1e9)
+                producer_over_cublas=ms["producer"] / ms["cublas"],
+                eager_over_producer=ms["eager"] / ms["producer"],
+                producer_tflops=flop / ms["producer"] / 1e9,
+                cublas_tflops=flop / ms["cublas"] / 1e9)
+
+
+def graphed(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` captured once in a CUDA graph; returns the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def markdown(rows: list[dict]) -> str:
     arms = list(rows[0]["ms"]) if rows else []
     head = (["W", "hidden", "S_global", "rows"] + [f"{a} ms" for a in arms]
-            + ["best producer / cublas", "eager / best producer", "producer TFLOP/s"])
+            + ["producer / cublas", "eager / producer", "producer TFLOP/s", "cublas TFLOP/s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = ([r["world"], r["hidden"], r["seq_global"], r["rows"]]
                  + [f"{r['ms'][a]:.3f}" for a in arms]
                  + [f"{r['producer_over_cublas']:.3f}", f"{r['eager_over_producer']:.2f}",
-                    f"{r['producer_tflops']:.0f}"])
+                    f"{r['producer_tflops']:.0f}", f"{r['cublas_tflops']:.0f}"])
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 

@@ -24,13 +24,14 @@ WAIT_BLOCK: int = 1024
 WAIT_NUM_WARPS: int = 4
 
 # -- producer.py --------------------------------------------------------------
-# Rows per tile.  Readiness words are kept per row block, so the session must
-# build its ReadinessLayout with the block_m it launches the producer with.
-PRODUCER_BLOCK_M: int = 128
+# Rows per tile: see producer_block_m.  Readiness words are kept per row block,
+# so the session builds its ReadinessLayout with the block_m it launches with.
 # Reduction step of the GEMM mainloop (the largest of these dividing hidden).
 PRODUCER_BLOCK_K_CHOICES: tuple[int, ...] = (64, 32, 16)
 PRODUCER_NUM_WARPS: int = 8
-PRODUCER_NUM_STAGES: int = 3
+# Four stages of a 256 x 64 + 128 x 64 bf16 tile pair (192 KiB) fit sm_90's shared
+# memory and beat three by 3-7 % on an H200 (docs/results.md).
+PRODUCER_NUM_STAGES: int = 4
 # Heads per tile group: tiles walk the row blocks of GROUP_HEADS heads before
 # moving to the next group, so the weights of a group stay in L2 while the
 # row blocks stream past; within a group consecutive tiles go to different heads.
@@ -60,3 +61,17 @@ def append_block_m(num_tokens: int, head_dim: int) -> int:
     while block < min(num_tokens, cap):
         block *= 2
     return block
+
+
+def producer_block_m(head_dim: int) -> int:
+    """Rows per producer tile (one head of ``head_dim`` columns).
+
+    256 rows with ``D <= 128``: a 256 x 128 tile reads 25 % fewer operand bytes
+    per FLOP than a 128 x 128 one, which on an H200 took the producer from 1.40x
+    to 1.01-1.08x cuBLAS time at hidden 8192 (docs/results.md).  ``D = 256``
+    takes 64 rows, the largest tile whose epilogue does not spill.  The CPU
+    interpreter takes 128, so small tests stay one tile and fast.
+    """
+    if INTERPRET:
+        return 128
+    return 64 if head_dim > 128 else 256

@@ -56,7 +56,7 @@ class NvlinkExchange:
         world, rank = heap.world_size, heap.rank
         self._heap, self._plan, self._rank = heap, plan, rank
         self._eps, self._rope_style = eps, rope_style
-        self._block_m = _config.PRODUCER_BLOCK_M
+        self._block_m = _config.producer_block_m(plan.head_dim)
         self._timeout_ns = int(wait_timeout_s * 1e9)
         slot_elements = DestLayout.buffer_elements(plan, max_tokens * world)
         slots = heap.alloc(num_slots * slot_elements, torch.bfloat16)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+from cake_sp.kernels import _config
 from cake_sp.kernels.producer import qkv_norm_rope_produce
 from cake_sp.kernels.signals import (
     STATUS_ENTER_TIMEOUT,
@@ -56,7 +57,7 @@ class Case:
     q_norm: bool = True
     k_norm: bool = True
     positions: torch.dtype | None = None
-    block_m: int = 128
+    block_m: int | None = None  # None: the launch default, _config.producer_block_m
     num_sms: int | None = None
     use_tma: bool = False
 
@@ -67,6 +68,10 @@ class Case:
     @property
     def plan(self) -> HeadPlan:
         return HeadPlan(self.world, self.num_q_heads, self.num_kv_heads, self.head_dim)
+
+    @property
+    def tile_rows(self) -> int:
+        return self.block_m or _config.producer_block_m(self.head_dim)
 
 
 CASES = {
@@ -202,7 +207,7 @@ class VirtualRanks:
                                    device=device) for _ in range(world)]
         self.slots = [s[GUARD: GUARD + self.elements].view(torch.bfloat16)
                       for s in self.storage]
-        self.readiness = ReadinessLayout.for_plan(case.plan, max_tokens, case.block_m)
+        self.readiness = ReadinessLayout.for_plan(case.plan, max_tokens, case.tile_rows)
         self.words = [torch.zeros(self.readiness.words, dtype=torch.int64, device=device)
                       for _ in range(world)]
         self.enter = [torch.zeros(world, dtype=torch.int64, device=device)
@@ -238,10 +243,10 @@ class VirtualRanks:
             src["cos_sin"], src["positions"], plan=c.plan, dest=self.dest(),
             dest_table=self.slot_table, seq_local=c.seq_local,
             dest_seq_offset=rank * c.seq_local, eps=EPS, rope_style=c.rope_style,
-            signals=signals, block_m=c.block_m, num_sms=c.num_sms, use_tma=c.use_tma)
+            signals=signals, block_m=c.tile_rows, num_sms=c.num_sms, use_tma=c.use_tma)
 
     def row_blocks(self) -> int:
-        return -(-self.case.rows // self.case.block_m)
+        return -(-self.case.rows // self.case.tile_rows)
 
     def call(self, inputs: dict, ranks: range | list[int] | None = None) -> None:
         """One NVLink call of ``ranks`` (default all): arrive, produce, wait."""

@@ -139,25 +139,26 @@ def block_rows(group: int, q_len_per_req: int) -> int:
     return max(tuning.DECODE_MIN_ROWS, triton.next_power_of_2(group * q_len_per_req))
 
 
-def split_plan(batch: int, num_kv_heads: int, max_seq_len: int,
-               device: torch.device) -> tuple[int, int]:
-    """``(num_splits, chunk_len)``: keys per split a multiple of ``DECODE_BLOCK_N``.
+def split_plan(p: PagedAttention) -> tuple[int, int, int]:
+    """``(num_splits, chunk_len, block_n)`` of decode call ``p``: keys per split a multiple
+    of the key tile ``block_n``.
 
-    Host ints only, so the plan of a captured call never changes on replay.
+    Host values only, so the plan of a captured call never changes on replay.
     """
-    block_n = tuning.DECODE_BLOCK_N
-    tiles = max(1, math.ceil(max_seq_len / block_n))
-    programs = batch * num_kv_heads
-    want = math.ceil(tuning.DECODE_PROGRAMS_PER_SM * tuning.sm_count(device) / max(programs, 1))
+    block_n = tuning.decode_block_n(p.k_cache.element_size(), p.query.shape[2])
+    tiles = max(1, math.ceil(p.max_kv_len / block_n))
+    programs = p.batch * p.num_kv_heads
+    want = math.ceil(tuning.DECODE_PROGRAMS_PER_SM * tuning.sm_count(p.query.device)
+                     / max(programs, 1))
     splits = max(1, min(want, tiles, tuning.DECODE_MAX_SPLITS))
     chunk = math.ceil(tiles / splits) * block_n
-    return max(1, math.ceil(max_seq_len / chunk)), chunk
+    return max(1, math.ceil(p.max_kv_len / chunk)), chunk, block_n
 
 
 def decode_workspace_bytes(p: PagedAttention) -> int:
     """Bytes of ``workspace_buffer`` the split-KV partials of ``p`` need."""
     num_tokens, num_heads, head_dim = p.query.shape
-    splits, _ = split_plan(p.batch, p.num_kv_heads, p.max_kv_len, p.query.device)
+    splits, _, _ = split_plan(p)
     return num_tokens * num_heads * splits * (head_dim + 2) * 4
 
 
@@ -166,7 +167,7 @@ def decode_triton(p: PagedAttention) -> None:
     ensure_sources_verified()
     num_tokens, num_heads, head_dim = p.query.shape
     hkv, group, q_len = p.num_kv_heads, p.group, p.q_len_per_req
-    splits, chunk = split_plan(p.batch, hkv, p.max_kv_len, p.query.device)
+    splits, chunk, block_n = split_plan(p)
     n_acc = num_tokens * num_heads * splits * head_dim
     scratch = p.workspace[: (n_acc + num_tokens * num_heads * splits * 2) * 4]
     scratch = scratch.view(torch.float32)
@@ -179,7 +180,7 @@ def decode_triton(p: PagedAttention) -> None:
         p.v_cache.stride(0), p.v_cache.stride(1), p.v_cache.stride(2),
         p.k_tables.stride(0), p.v_tables.stride(0),
         Q_LEN=q_len, GROUP=group, PAGE_SIZE=p.page_size, HEAD_DIM=head_dim,
-        BLOCK_M=block_rows(group, q_len), BLOCK_N=tuning.DECODE_BLOCK_N,
+        BLOCK_M=block_rows(group, q_len), BLOCK_N=block_n,
         WINDOW=p.window_left >= 0, INTERPRET=INTERPRET,
         num_warps=tuning.DECODE_NUM_WARPS, num_stages=tuning.DECODE_NUM_STAGES,
     )

@@ -19,13 +19,23 @@ from cake_sp.kernels._config import INTERPRET
 # the register budget at D = 256, so wider problems take the compat route.
 DECODE_MIN_ROWS = 16
 DECODE_MAX_ROWS = 64
-DECODE_BLOCK_N = 16 if INTERPRET else 64
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 # Split-KV: aim for this many programs per SM so that small batches still fill
-# the GPU, but never split finer than one key tile per split.
+# the GPU, but never split finer than one key tile per split.  On an H200, 4, 8
+# and 16 were no faster than 2 for bf16 KV and up to 25 % slower at B = 16.
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MAX_SPLITS = 64
+
+
+
+def decode_block_n(kv_element_size: int, head_dim: int) -> int:
+    """Keys per decode tile.  FP8 KV at D <= 128 reads 128 keys a step: as many
+    bytes as 64 bf16 keys, and 14-25 % faster than 64 on an H200 (docs/results.md)."""
+    if INTERPRET:
+        return 16
+    return 128 if kv_element_size == 1 and head_dim <= 128 else 64
+
 
 CONTEXT_BLOCK_M = 16 if INTERPRET else 128
 CONTEXT_NUM_WARPS = 4 if INTERPRET else 8
