@@ -26,7 +26,8 @@ if compgen -G ".whl/*.whl" > /dev/null && [ ! -d /tmp/site/nvshmem ]; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 PY=python3
-PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts="-ra")
+# PYTEST_ARGS adds pytest options to every test stage (say "-n 8" where pytest-xdist is present).
+PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" --tb=short ${PYTEST_ARGS:-})
 
 # Each stage is cut at STAGE_TIMEOUT seconds (rc 124), so one hang cannot eat the whole run.
 run_stage() {
