@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from _graphs import graphed
 
 import cake_sp
 
@@ -54,15 +55,7 @@ def _time_ms(fn, timing: Timing) -> float:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     fn()
     if not timing.eager:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        fn = graph.replay
+        fn = graphed(fn)
     for _ in range(warmup):
         fn()
     times = []

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from _graphs import graphed
 
 HEAD_DIM = 128
 NUM_KV_HEADS = 8
@@ -249,19 +250,6 @@ def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
                 eager_over_producer=ms["eager"] / ms["producer"],
                 producer_tflops=flop / ms["producer"] / 1e9,
                 cublas_tflops=flop / ms["cublas"] / 1e9)
-
-
-def graphed(fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn`` captured once in a CUDA graph; returns the graph's replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def markdown(rows: list[dict]) -> str:

@@ -139,23 +139,27 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> 
 
 
 def _oracle_source(case: Case, inputs: dict, rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s q, k, v, fp32 ``[B, S_local, H, D]`` before the final bf16 rounding."""
+    """Rank ``rank``'s q, k, v, fp32 ``[B, S_local, H, D]`` before the final bf16 rounding.
+
+    Computed with torch ops on the inputs' device (fp32 matmuls there are IEEE fp32:
+    torch leaves TF32 off by default), so the real-shape cases do not wait on a CPU GEMM.
+    """
     d, hq, hkv = case.head_dim, case.num_q_heads, case.num_kv_heads
     src = inputs["ranks"][rank]
-    p = src["x"].float().cpu() @ inputs["weight"].float().cpu().T
+    p = src["x"].float() @ inputs["weight"].float().T
     if inputs["bias"] is not None:
-        p = p + inputs["bias"].float().cpu()
+        p = p + inputs["bias"].float()
     p = p.view(case.batch, case.seq_local, hq + 2 * hkv, d)
-    table = src["cos_sin"].cpu()
-    rows = (src["positions"].cpu().long() if src["positions"] is not None
-            else torch.arange(case.rows).view(case.batch, case.seq_local))
+    table = src["cos_sin"]
+    rows = (src["positions"].long() if src["positions"] is not None
+            else torch.arange(case.rows, device=table.device).view(case.batch, case.seq_local))
     cos, sin = table[rows][:, :, None, : d // 2], table[rows][:, :, None, d // 2:]
     out = {}
     for name, heads, weight in (("q", p[:, :, :hq], inputs["q_norm"]),
                                 ("k", p[:, :, hq:hq + hkv], inputs["k_norm"])):
         if weight is not None:
             n = heads * torch.rsqrt(heads.pow(2).mean(dim=-1, keepdim=True) + EPS)
-            heads = (n.bfloat16() * weight.cpu()).float()
+            heads = (n.bfloat16() * weight).float()
         out[name] = _rope(heads, cos, sin, case.rope_style)
     out["v"] = p[:, :, hq + hkv:]
     return out
