@@ -30,7 +30,8 @@ WAIT_NUM_WARPS: int = 4
 PRODUCER_BLOCK_K_CHOICES: tuple[int, ...] = (64, 32, 16)
 PRODUCER_NUM_WARPS: int = 8
 # Four stages of a 256 x 64 + 128 x 64 bf16 tile pair (192 KiB) fit sm_90's shared
-# memory and beat three by 3-7 % on an H200 (docs/results.md).
+# memory; on an H200 they took 3-13 % less time than three on 5 of 6 sweep rows and
+# 3 % more on the sixth (hidden 8192, 65536 rows; docs/results/producer_and_fmha_sweeps_h200.md).
 PRODUCER_NUM_STAGES: int = 4
 # Heads per tile group: tiles walk the row blocks of GROUP_HEADS heads before
 # moving to the next group, so the weights of a group stay in L2 while the
@@ -67,9 +68,9 @@ def producer_block_m(head_dim: int) -> int:
     """Rows per producer tile (one head of ``head_dim`` columns).
 
     256 rows with ``D <= 128``: a 256 x 128 tile reads 25 % fewer operand bytes
-    per FLOP than a 128 x 128 one, which on an H200 took the producer from 1.40x
-    to 1.01-1.08x cuBLAS time at hidden 8192 (docs/results.md).  ``D = 256``
-    takes 64 rows, the largest tile whose epilogue does not spill.  The CPU
+    per FLOP than a 128 x 128 one; with four stages it took the producer on an
+    H200 from 460-510 to 530-666 TFLOP/s (docs/results.md).  ``D = 256`` takes
+    64 rows, the largest tile whose epilogue does not spill.  The CPU
     interpreter takes 128, so small tests stay one tile and fast.
     """
     if INTERPRET:

@@ -300,10 +300,12 @@ def _qkv_produce_kernel(x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
                 HAS_POSITIONS, ROPE_STYLE, SIGNAL, USE_TMA, INTERPRET)
             tile += tl.num_programs(0)
     else:
-        # tl.range measured 3-4 % faster than the while loop above on an H200.  One
-        # stage: only the GEMM mainloop is software-pipelined; when hidden == BLOCK_K
-        # that loop folds away and Triton 3.6 would otherwise pipeline this loop
-        # instead (with TMA the pipeliner then fails to compile the kernel).
+        # tl.range, not the while loop: it compiles differently, it measured 3-4 %
+        # faster at 128-row tiles (two runs on an H200, not side by side), and every
+        # measurement of the current tiles used it.  One stage: only the GEMM
+        # mainloop is software-pipelined; when hidden == BLOCK_K that loop folds away
+        # and Triton 3.6 would otherwise pipeline this loop instead (with TMA the
+        # pipeliner then fails to compile the kernel).
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=1):
             entered, failed = _produce_tile(
                 tile, entered, failed, epoch, row_blocks,

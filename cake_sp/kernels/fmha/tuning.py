@@ -23,7 +23,7 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 # Split-KV: aim for this many programs per SM so that small batches still fill
 # the GPU, but never split finer than one key tile per split.  On an H200, 4, 8
-# and 16 were no faster than 2 for bf16 KV and up to 25 % slower at B = 16.
+# and 16 were at best 1 % faster than 2 for bf16 KV and up to 70 % slower (B = 1).
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MAX_SPLITS = 64
 
@@ -31,7 +31,8 @@ DECODE_MAX_SPLITS = 64
 
 def decode_block_n(kv_element_size: int, head_dim: int) -> int:
     """Keys per decode tile.  FP8 KV at D <= 128 reads 128 keys a step: as many
-    bytes as 64 bf16 keys, and 14-25 % faster than 64 on an H200 (docs/results.md)."""
+    bytes as 64 bf16 keys, and took 16-38 % less time than 64 on an H200
+    (docs/results/producer_and_fmha_sweeps_h200.md)."""
     if INTERPRET:
         return 16
     return 128 if kv_element_size == 1 and head_dim <= 128 else 64
