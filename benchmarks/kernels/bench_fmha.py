@@ -53,7 +53,6 @@ def _time_ms(fn, timing: Timing) -> float:
     """Median ms of ``fn`` replayed from a CUDA graph (or called, with ``timing.eager``)."""
     warmup, reps = timing.warmup, timing.reps
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    fn()
     if not timing.eager:
         fn = graphed(fn)
     for _ in range(warmup):
