@@ -5,7 +5,10 @@ Kept apart from the kernels so that tuning a block size never touches the math.
 
 from __future__ import annotations
 
+import functools
 import os
+
+import torch
 
 # Triton's CPU interpreter (``TRITON_INTERPRET=1``) computes wrongly on bf16
 # values and truncates on fp32 -> bf16 casts; kernels take this flag as a
@@ -13,6 +16,14 @@ import os
 # to bf16 by hand (see ``norm_rope.round_to_bf16``).  On a GPU it is False and
 # the kernels keep bf16 operands for the tensor cores.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+
+@functools.cache
+def tma_supported(device_index: int) -> bool:
+    """Whether GPU ``device_index`` has the tensor memory accelerator (sm_90+)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
 
 # -- signals.py ---------------------------------------------------------------
 # Polls a spin makes in the interpreter before it reports a timeout: there the

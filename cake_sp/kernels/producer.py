@@ -327,11 +327,6 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.cache
-def _tma_supported(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def _block_k(hidden: int) -> int:
     for block_k in _config.PRODUCER_BLOCK_K_CHOICES:
         if hidden % block_k == 0:
@@ -501,7 +496,7 @@ def qkv_norm_rope_produce(
     block_k = _block_k(hidden)
     on_gpu = x.device.type == "cuda" and not _config.INTERPRET
     if use_tma is None:
-        use_tma = _config.PRODUCER_USE_TMA and on_gpu and _tma_supported(x.device.index)
+        use_tma = _config.PRODUCER_USE_TMA and on_gpu and _config.tma_supported(x.device.index)
     if use_tma and (x.data_ptr() % 16 or qkv_weight.data_ptr() % 16):
         raise ValueError("qkv_norm_rope_produce: the TMA mainloop needs 16-byte aligned x and "
                          "qkv_weight (pass use_tma=False for views at odd offsets)")

@@ -14,7 +14,15 @@ import zlib
 
 import pytest
 import torch
-from _fmha_cases import FmhaCase, assert_matches, call, make_call, one_thread, shape_grid
+from _fmha_cases import (
+    FmhaCase,
+    assert_matches,
+    call,
+    make_call,
+    one_thread,
+    oracle_fp64,
+    shape_grid,
+)
 
 from cake_sp.kernels.fmha import tuning
 
@@ -64,6 +72,36 @@ def test_triton_route_matches_compat(case, device, monkeypatch):
     ref_kw, _ = _run_route(case, device, "compat_v1", monkeypatch, seed)
     kw, result = _run_route(case, device, "triton", monkeypatch, seed)
     assert_matches(case, kw, result, ref_kw["out"], ref_kw["lse"])
+
+
+def _poison_unowned_slots(case, kw):
+    """NaN into every cache slot that no request's keys occupy: the slots past each
+    request's length in its last page, and whole unused pages."""
+    kv = kw["kv_cache"].cpu()
+    by_slot = kv.permute(0, 3, 1, 2, 4) if case.kv_layout == "HND" else kv.permute(0, 2, 1, 3, 4)
+    owned = torch.zeros(by_slot.shape[:2], dtype=torch.bool)
+    table = kw["block_tables"].cpu()
+    for b, kv_len in enumerate(case.kv_lens):
+        for n in range(kv_len):
+            owned[int(table[b, n // case.page_size]), n % case.page_size] = True
+    by_slot[~owned] = float("nan")
+    kw["kv_cache"].copy_(kv)
+
+
+@pytest.mark.parametrize("case", [
+    # Key tiles inside one page (TMA where the GPU has it; the interpreter emulates it).
+    FmhaCase(op="context", kv_lens=(37, 16), q_lens=(37, 9), lse=True),
+    FmhaCase(op="context", kv_lens=(37, 16), q_lens=(20, 9), causal=False, kv_layout="NHD"),
+    # Key tiles spanning pages.
+    FmhaCase(op="context", kv_lens=(37, 16), q_lens=(20, 9), page_size=5),
+    FmhaCase(kv_lens=(37, 16, 1), q_lens=(1, 1, 1), lse=True),
+], ids=FmhaCase.label)
+def test_unowned_cache_slots_never_reach_the_output(case, device, monkeypatch):
+    monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")
+    kw = make_call(case, device, seed=zlib.crc32(case.label().encode()))
+    _poison_unowned_slots(case, kw)
+    ref_out, ref_lse = oracle_fp64(case, kw)
+    assert_matches(case, kw, call(case, kw), ref_out, ref_lse)
 
 
 def test_fp16_output_from_bf16_query(device, monkeypatch):

@@ -1,9 +1,13 @@
 """``context_triton_v1``: paged FlashAttention-2-style prefill (ragged queries, paged KV).
 
-One program per (query block, request, query head) loads its ``[BLOCK_M, D]``
+One program per (request, query head, query block) loads its ``[BLOCK_M, D]``
 query tile once and streams the request's keys page by page with an online
 softmax; causal blocks stop at their last query's position and windowed
 blocks start at their first query's window, so masked tiles are never read.
+Only the key tiles on the causal diagonal (or at the ends of a window or of
+the request) apply masks.  When a key tile lies inside one page and the cache
+strides allow, K and V tiles arrive by TMA (a 2-D descriptor over the
+cache's rows); otherwise by pointer loads.
 
 Pseudo-code it equals (query token ``i`` of request ``b``, head ``h``,
 ``q_pos = kv_len_b - q_len_b + i``: the last query aligns with the last key)::
@@ -18,6 +22,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cake_sp.kernels._config import INTERPRET
 from cake_sp.kernels.fmha import tuning
@@ -28,26 +33,33 @@ from cake_sp.kernels.fmha.tiles import (
     attend_key_range,
     finalize_rows,
     store_out,
+    unmasked_end,
 )
 
 
 @triton.jit
 def _context_kernel(
-    q_ptr, k_ptr, v_ptr, k_table_ptr, v_table_ptr, seq_lens_ptr, cu_q_ptr, sinks_ptr,
+    q_ptr, k_src, v_src, k_table_ptr, v_table_ptr, seq_lens_ptr, cu_q_ptr, sinks_ptr,
     out_ptr, lse_ptr,
     scale_log2, bmm2_scale, window_left, num_heads,
     stride_qt, stride_qh,
-    stride_kp, stride_kh, stride_ks,
-    stride_vp, stride_vh, stride_vs,
+    k_head_offset, stride_kp, stride_ks, k_page_rows,
+    v_head_offset, stride_vp, stride_vs, v_page_rows,
     stride_ktb, stride_vtb, stride_ot, stride_oh,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, OUT_BF16: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Attention of query rows ``[m0, m0 + BLOCK_M)`` of one request and head."""
-    m0 = tl.program_id(0) * BLOCK_M
-    pid = tl.program_id(1)
+    """Attention of query rows ``[m0, m0 + BLOCK_M)`` of one request and head.
+
+    ``k_head_offset``/``v_head_offset`` locate KV head 0 .. of a page: an element
+    offset per KV head, or with ``USE_TMA`` a row offset per KV head in the
+    descriptor's rows (see ``tiles.load_key_tile``).
+    """
+    pid = tl.program_id(0)
+    # The last query blocks of a causal request see the most keys: launch them first.
+    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = pid // num_heads
     h = pid % num_heads
     hkv = h // GROUP
@@ -70,6 +82,7 @@ def _context_kernel(
             hi = tl.minimum(kv_len, kv_len - q_len + m0 + BLOCK_M)
         if WINDOW:
             lo = tl.maximum(kv_len - q_len + m0 - window_left, 0) // BLOCK_N * BLOCK_N
+        full_end = unmasked_end(lo, hi, kv_len - q_len + m0, BLOCK_N, CAUSAL, WINDOW)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -77,9 +90,10 @@ def _context_kernel(
         k_table = k_table_ptr + b.to(tl.int64) * stride_ktb
         v_table = v_table_ptr + b.to(tl.int64) * stride_vtb
         acc, m_i, l_i = attend_key_range(
-            lo, hi, q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, k_table, v_table,
-            hkv * stride_kh, hkv * stride_vh, stride_kp, stride_ks, stride_vp, stride_vs,
-            scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, INTERPRET)
+            lo, full_end, hi, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
+            hkv * k_head_offset, hkv * v_head_offset, stride_kp, stride_ks, stride_vp,
+            stride_vs, k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE, HEAD_DIM,
+            BLOCK_N, CAUSAL, WINDOW, USE_TMA, INTERPRET)
 
         sink_log2 = 0.0
         if HAS_SINKS:
@@ -91,25 +105,60 @@ def _context_kernel(
             tl.store(lse_ptr + tok * num_heads + h, lse, mask=row_ok)
 
 
+def _kv_source(cache: torch.Tensor, block_n: int, use_tma: bool) -> tuple:
+    """``(source, head_offset, page_rows)`` of ``cache`` ``[pages, Hkv, page_size, D]``.
+
+    Pointer loads take the tensor and its element strides.  The TMA variant
+    takes a 2-D descriptor over rows of ``D`` values spaced by the slot stride,
+    so pages and KV heads become row offsets (see ``tiles.load_key_tile``).
+    """
+    stride_page, stride_head, stride_slot, _ = cache.stride()
+    if not use_tma:
+        return cache, stride_head, 0
+    pages, heads, page_size, head_dim = cache.shape
+    page_rows, head_rows = stride_page // stride_slot, stride_head // stride_slot
+    rows = (pages - 1) * page_rows + (heads - 1) * head_rows + page_size
+    desc = TensorDescriptor(cache, [rows, head_dim], [stride_slot, 1], [block_n, head_dim])
+    return desc, head_rows, page_rows
+
+
+def _tma_fits(p: PagedAttention, block_n: int) -> bool:
+    """Whether both caches can be read by TMA in ``block_n``-key tiles: tiles inside one
+    page, pages and heads whole numbers of slot rows, 16-byte aligned rows and bases."""
+    if p.page_size % block_n or not tuning.context_tma_available(p.query.device):
+        return False
+    for cache in (p.k_cache, p.v_cache):
+        stride_page, stride_head, stride_slot, last = cache.stride()
+        size = cache.element_size()
+        if (last != 1 or stride_page % stride_slot or stride_head % stride_slot
+                or (stride_slot * size) % 16 or cache.data_ptr() % 16):
+            return False
+    return True
+
+
 def context_triton(p: PagedAttention) -> None:
     """Run ``p`` (a context call, ``p.cu_q`` set) on the paged prefill kernel."""
     ensure_sources_verified()
     _, num_heads, head_dim = p.query.shape
     block_m = tuning.CONTEXT_BLOCK_M
-    grid = (max(1, triton.cdiv(p.max_q_len, block_m)), p.batch * num_heads)
+    block_n = tuning.context_block_n(head_dim)
+    use_tma = _tma_fits(p, block_n)
+    k_src, k_head_offset, k_page_rows = _kv_source(p.k_cache, block_n, use_tma)
+    v_src, v_head_offset, v_page_rows = _kv_source(p.v_cache, block_n, use_tma)
+    grid = (p.batch * num_heads, max(1, triton.cdiv(p.max_q_len, block_m)))
     _context_kernel[grid](
-        p.query, p.k_cache, p.v_cache, p.k_tables, p.v_tables, p.seq_lens, p.cu_q,
+        p.query, k_src, v_src, p.k_tables, p.v_tables, p.seq_lens, p.cu_q,
         p.sinks if p.sinks is not None else p.seq_lens,
         p.out, p.lse if p.lse is not None else p.out,
         p.bmm1_scale * math.log2(math.e), p.bmm2_scale, p.window_left, num_heads,
         p.query.stride(0), p.query.stride(1),
-        p.k_cache.stride(0), p.k_cache.stride(1), p.k_cache.stride(2),
-        p.v_cache.stride(0), p.v_cache.stride(1), p.v_cache.stride(2),
+        k_head_offset, p.k_cache.stride(0), p.k_cache.stride(2), k_page_rows,
+        v_head_offset, p.v_cache.stride(0), p.v_cache.stride(2), v_page_rows,
         p.k_tables.stride(0), p.v_tables.stride(0), p.out.stride(0), p.out.stride(1),
         GROUP=p.group, PAGE_SIZE=p.page_size, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=tuning.context_block_n(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=p.causal, WINDOW=p.window_left >= 0,
         HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None,
-        OUT_BF16=p.out.dtype == torch.bfloat16, INTERPRET=INTERPRET,
+        OUT_BF16=p.out.dtype == torch.bfloat16, USE_TMA=use_tma, INTERPRET=INTERPRET,
         num_warps=tuning.CONTEXT_NUM_WARPS, num_stages=tuning.CONTEXT_NUM_STAGES,
     )

@@ -32,6 +32,7 @@ from cake_sp.kernels.fmha.tiles import (
     attend_key_range,
     finalize_rows,
     store_out,
+    unmasked_end,
 )
 
 
@@ -81,10 +82,11 @@ def _decode_partial_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     k_table = k_table_ptr + b.to(tl.int64) * stride_ktb
     v_table = v_table_ptr + b.to(tl.int64) * stride_vtb
+    full_end = unmasked_end(start, end, seq_len - Q_LEN, BLOCK_N, True, WINDOW)
     acc, m_i, l_i = attend_key_range(
-        start, end, q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, k_table, v_table,
-        hkv * stride_kh, hkv * stride_vh, stride_kp, stride_ks, stride_vp, stride_vs,
-        scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N, True, WINDOW, INTERPRET)
+        start, full_end, end, q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, k_table, v_table,
+        hkv * stride_kh, hkv * stride_vh, stride_kp, stride_ks, stride_vp, stride_vs, 0, 0,
+        scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N, True, WINDOW, False, INTERPRET)
 
     slot = ((tok * (num_kv_heads * GROUP) + head) * num_splits + split).to(tl.int64)
     tl.store(acc_ptr + slot[:, None] * HEAD_DIM + cols[None, :], acc, mask=row_ok[:, None])

@@ -23,30 +23,63 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def load_paged_rows(cache_ptr, table_ptr, keys, key_mask, head_offset, stride_page, stride_slot,
-                    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Load keys ``keys`` (int32 ``[BLOCK_N]``) of one request and KV head as ``[BLOCK_N, D]``.
+def load_key_tile(cache, table_ptr, n0, end, head_offset, stride_page, stride_slot, page_rows,
+                  PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+    """Keys ``[n0, n0 + BLOCK_N)`` of one request and KV head as ``[BLOCK_N, D]``.
 
     ``table_ptr`` points at the request's row of the page table; key ``n``
     lives in slot ``n % PAGE_SIZE`` of page ``table[n // PAGE_SIZE]``.  The
-    cache's last dim must be contiguous.  Masked keys read 0.
+    cache's last dim must be contiguous.  ``MASKED``: keys ``>= end`` read 0
+    (otherwise every key of the tile must be ``< end``).
+
+    When ``PAGE_SIZE`` is a multiple of ``BLOCK_N`` the tile lies inside one
+    page, so one page-table entry serves it.  ``USE_TMA`` (that case only):
+    ``cache`` is a 2-D tensor descriptor over rows of ``D`` values, page ``p``
+    of this head starting at row ``p * page_rows + head_offset``; the copy
+    engine then fetches the tile without per-element addresses.
     """
-    page = tl.load(table_ptr + keys // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
-    slot = (keys % PAGE_SIZE).to(tl.int64)
+    keys = n0 + tl.arange(0, BLOCK_N)
+    key_mask = keys < end
     cols = tl.arange(0, HEAD_DIM)
-    ptrs = cache_ptr + head_offset + page[:, None] * stride_page + slot[:, None] * stride_slot
-    return tl.load(ptrs + cols[None, :], mask=key_mask[:, None], other=0.0)
+    if PAGE_SIZE % BLOCK_N == 0:
+        page = tl.load(table_ptr + n0 // PAGE_SIZE).to(tl.int64)
+        slot0 = n0 % PAGE_SIZE
+        if USE_TMA:
+            tile = cache.load([(page * page_rows + head_offset + slot0).to(tl.int32), 0])
+            if MASKED:
+                # Rows past ``end`` are the page's unused slots: whatever is there,
+                # even NaN, must not reach P @ V.
+                tile = tl.where(key_mask[:, None], tile, tl.zeros_like(tile))
+        else:
+            slots = (slot0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+            ptrs = (cache + head_offset + page * stride_page + slots[:, None] * stride_slot
+                    + cols[None, :])
+            if MASKED:
+                tile = tl.load(ptrs, mask=key_mask[:, None], other=0.0)
+            else:
+                tile = tl.load(ptrs)
+    else:
+        page = tl.load(table_ptr + keys // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
+        slot = (keys % PAGE_SIZE).to(tl.int64)
+        ptrs = (cache + head_offset + page[:, None] * stride_page + slot[:, None] * stride_slot
+                + cols[None, :])
+        tile = tl.load(ptrs, mask=key_mask[:, None], other=0.0)
+    return tile
 
 
 @triton.jit
 def online_softmax_step(q, k, v, acc, m_i, l_i, q_pos, keys, key_mask, scale_log2, window_left,
-                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, INTERPRET: tl.constexpr):
+                        MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                        INTERPRET: tl.constexpr):
     """Fold one key tile into the running ``(acc, m_i, l_i)`` of a ``[BLOCK_M, D]`` query tile.
 
     ``q`` is already in compute type; ``k``/``v`` are raw loads ``[BLOCK_N, D]``.
-    A key is allowed when ``key_mask``, and (``CAUSAL``) ``key <= q_pos``, and
-    (``WINDOW``) ``key >= q_pos - window_left``.  ``m_i`` is the running max in
-    log2 units (-inf while nothing was allowed), ``l_i`` the running sum.
+    With ``MASKED`` a key is allowed when ``key_mask``, and (``CAUSAL``) ``key
+    <= q_pos``, and (``WINDOW``) ``key >= q_pos - window_left``; without it the
+    caller guarantees every key is allowed for every row.  ``m_i`` is the
+    running max in log2 units (-inf while nothing was allowed), ``l_i`` the
+    running sum.
     """
     if INTERPRET:
         k = k.to(tl.float32)
@@ -55,12 +88,13 @@ def online_softmax_step(q, k, v, acc, m_i, l_i, q_pos, keys, key_mask, scale_log
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * scale_log2
-    allowed = key_mask[None, :]
-    if CAUSAL:
-        allowed = allowed & (keys[None, :] <= q_pos[:, None])
-    if WINDOW:
-        allowed = allowed & (keys[None, :] >= q_pos[:, None] - window_left)
-    s = tl.where(allowed, s, float("-inf"))
+    if MASKED:
+        allowed = key_mask[None, :]
+        if CAUSAL:
+            allowed = allowed & (keys[None, :] <= q_pos[:, None])
+        if WINDOW:
+            allowed = allowed & (keys[None, :] >= q_pos[:, None] - window_left)
+        s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with nothing allowed yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -72,50 +106,91 @@ def online_softmax_step(q, k, v, acc, m_i, l_i, q_pos, keys, key_mask, scale_log
 
 
 @triton.jit
-def _fold_key_tile(n0, end, q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, k_table, v_table,
+def _fold_key_tile(n0, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
                    k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
-                   scale_log2, window_left, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                   k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, USE_TMA: tl.constexpr,
                    INTERPRET: tl.constexpr):
+    k = load_key_tile(k_src, k_table, n0, end, k_head_offset, stride_kp, stride_ks, k_page_rows,
+                      PAGE_SIZE, HEAD_DIM, BLOCK_N, MASKED, USE_TMA)
+    v = load_key_tile(v_src, v_table, n0, end, v_head_offset, stride_vp, stride_vs, v_page_rows,
+                      PAGE_SIZE, HEAD_DIM, BLOCK_N, MASKED, USE_TMA)
     keys = n0 + tl.arange(0, BLOCK_N)
-    key_mask = keys < end
-    k = load_paged_rows(k_ptr, k_table, keys, key_mask, k_head_offset, stride_kp, stride_ks,
-                        PAGE_SIZE, HEAD_DIM)
-    v = load_paged_rows(v_ptr, v_table, keys, key_mask, v_head_offset, stride_vp, stride_vs,
-                        PAGE_SIZE, HEAD_DIM)
-    return online_softmax_step(q, k, v, acc, m_i, l_i, q_pos, keys, key_mask, scale_log2,
-                               window_left, CAUSAL, WINDOW, INTERPRET)
+    return online_softmax_step(q, k, v, acc, m_i, l_i, q_pos, keys, keys < end, scale_log2,
+                               window_left, MASKED, CAUSAL, WINDOW, INTERPRET)
 
 
 @triton.jit
-def attend_key_range(start, end, q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, k_table, v_table,
-                     k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
-                     scale_log2, window_left, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    """Fold keys ``[start, end)`` of one request and KV head, ``BLOCK_N`` at a time.
-
-    ``start`` is a multiple of ``BLOCK_N``; ``k_table``/``v_table`` point at the
-    request's page-table rows.  Returns the updated ``(acc, m_i, l_i)``.
-    """
+def _fold_key_tiles(lo, hi, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
+                    k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
+                    k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, USE_TMA: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """The key tiles starting in ``[lo, hi)``, ``BLOCK_N`` apart; keys ``>= end`` excluded."""
     if INTERPRET:
         # The interpreter's scalars are 1-element arrays, which ``range`` cannot
         # take as bounds; a while loop gives the same iterations.
-        n0 = start
-        while n0 < end:
+        n0 = lo
+        while n0 < hi:
             acc, m_i, l_i = _fold_key_tile(
-                n0, end, q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, k_table, v_table,
+                n0, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
                 k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
-                scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, INTERPRET)
+                k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE, HEAD_DIM,
+                BLOCK_N, MASKED, CAUSAL, WINDOW, USE_TMA, INTERPRET)
             n0 += BLOCK_N
     else:
         # A for loop, so that the compiler software-pipelines the page loads.
-        for n0 in range(start, end, BLOCK_N):
+        for n0 in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _fold_key_tile(
-                n0, end, q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, k_table, v_table,
+                n0, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
                 k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
-                scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, INTERPRET)
+                k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE, HEAD_DIM,
+                BLOCK_N, MASKED, CAUSAL, WINDOW, USE_TMA, INTERPRET)
     return acc, m_i, l_i
+
+
+@triton.jit
+def attend_key_range(start, full_end, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table,
+                     v_table, k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp,
+                     stride_vs, k_page_rows, v_page_rows, scale_log2, window_left,
+                     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, USE_TMA: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """Fold keys ``[start, end)`` of one request and KV head, ``BLOCK_N`` at a time.
+
+    ``start`` and ``full_end`` are multiples of ``BLOCK_N`` apart; the tiles
+    before ``full_end`` must hold only keys ``< end`` that every row may see
+    (see :func:`unmasked_end`) and skip the masks; the rest are masked.
+    ``k_src``/``v_src`` are cache pointers, or tensor descriptors when
+    ``USE_TMA`` (see :func:`load_key_tile`); ``k_table``/``v_table`` point at
+    the request's page-table rows.  Returns the updated ``(acc, m_i, l_i)``.
+    """
+    acc, m_i, l_i = _fold_key_tiles(
+        start, full_end, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
+        k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
+        k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N,
+        False, CAUSAL, WINDOW, USE_TMA, INTERPRET)
+    return _fold_key_tiles(
+        full_end, end, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
+        k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
+        k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N,
+        True, CAUSAL, WINDOW, USE_TMA, INTERPRET)
+
+
+@triton.jit
+def unmasked_end(start, end, first_q_pos, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 WINDOW: tl.constexpr):
+    """End of the tiles from ``start`` that need no mask: all keys ``< end`` and, when
+    ``CAUSAL``, ``<= first_q_pos`` (the smallest query position of the tile).  With a
+    window every tile is masked."""
+    full = end
+    if CAUSAL:
+        full = tl.minimum(full, first_q_pos + 1)
+    if WINDOW:
+        full = start
+    return start + tl.maximum(full - start, 0) // BLOCK_N * BLOCK_N
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from cake_sp.kernels._config import INTERPRET
+from cake_sp.kernels._config import INTERPRET, tma_supported
 
 # Decode packs the GQA group x q_len_per_req query rows of one KV head into one
 # tile; tl.dot needs at least 16 rows, and past 64 rows a tile no longer fits
@@ -41,6 +41,16 @@ def decode_block_n(kv_element_size: int, head_dim: int) -> int:
 CONTEXT_BLOCK_M = 16 if INTERPRET else 128
 CONTEXT_NUM_WARPS = 4 if INTERPRET else 8
 CONTEXT_NUM_STAGES = 3
+# K/V tiles by TMA wherever the cache layout allows (context.py); the CPU
+# interpreter emulates the descriptors, so CI runs that path too.
+CONTEXT_USE_TMA = True
+
+
+def context_tma_available(device: torch.device) -> bool:
+    """Whether the context kernel may read K/V tiles by TMA on ``device``."""
+    if INTERPRET:
+        return CONTEXT_USE_TMA
+    return CONTEXT_USE_TMA and device.type == "cuda" and tma_supported(device.index)
 
 
 def context_block_n(head_dim: int) -> int:
