@@ -93,7 +93,7 @@ def _context_kernel(
             lo, full_end, hi, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
             hkv * k_head_offset, hkv * v_head_offset, stride_kp, stride_ks, stride_vp,
             stride_vs, k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE, HEAD_DIM,
-            BLOCK_N, CAUSAL, WINDOW, USE_TMA, INTERPRET)
+            BLOCK_N, CAUSAL, WINDOW, PAGE_SIZE % BLOCK_N == 0, USE_TMA, INTERPRET)
 
         sink_log2 = 0.0
         if HAS_SINKS:

@@ -29,10 +29,9 @@ from cake_sp.kernels.fmha.manifest import ensure_sources_verified
 from cake_sp.kernels.fmha.problem import PagedAttention
 from cake_sp.kernels.fmha.tiles import (
     LOG2E,
-    attend_key_range,
     finalize_rows,
+    fold_key_tiles,
     store_out,
-    unmasked_end,
 )
 
 
@@ -82,11 +81,13 @@ def _decode_partial_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     k_table = k_table_ptr + b.to(tl.int64) * stride_ktb
     v_table = v_table_ptr + b.to(tl.int64) * stride_vtb
-    full_end = unmasked_end(start, end, seq_len - Q_LEN, BLOCK_N, True, WINDOW)
-    acc, m_i, l_i = attend_key_range(
-        start, full_end, end, q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, k_table, v_table,
+    # Every tile masked and every key looking up its page: unmasked interior tiles
+    # with one page lookup per tile (as in context.py) ran 8-25 % slower on an H200.
+    acc, m_i, l_i = fold_key_tiles(
+        start, end, end, q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, k_table, v_table,
         hkv * stride_kh, hkv * stride_vh, stride_kp, stride_ks, stride_vp, stride_vs, 0, 0,
-        scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N, True, WINDOW, False, INTERPRET)
+        scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N, True, True, WINDOW, False, False,
+        INTERPRET)
 
     slot = ((tok * (num_kv_heads * GROUP) + head) * num_splits + split).to(tl.int64)
     tl.store(acc_ptr + slot[:, None] * HEAD_DIM + cols[None, :], acc, mask=row_ok[:, None])
@@ -152,6 +153,9 @@ def split_plan(p: PagedAttention) -> tuple[int, int, int]:
     programs = p.batch * p.num_kv_heads
     want = math.ceil(tuning.DECODE_PROGRAMS_PER_SM * tuning.sm_count(p.query.device)
                      / max(programs, 1))
+    max_keys = tuning.decode_max_split_keys(p.k_cache.element_size())
+    if max_keys is not None:
+        want = max(want, math.ceil(p.max_kv_len / max_keys))
     splits = max(1, min(want, tiles, tuning.DECODE_MAX_SPLITS))
     chunk = math.ceil(tiles / splits) * block_n
     return max(1, math.ceil(p.max_kv_len / chunk)), chunk, block_n

@@ -25,7 +25,7 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 @triton.jit
 def load_key_tile(cache, table_ptr, n0, end, head_offset, stride_page, stride_slot, page_rows,
                   PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+                  MASKED: tl.constexpr, ONE_PAGE: tl.constexpr, USE_TMA: tl.constexpr):
     """Keys ``[n0, n0 + BLOCK_N)`` of one request and KV head as ``[BLOCK_N, D]``.
 
     ``table_ptr`` points at the request's row of the page table; key ``n``
@@ -33,8 +33,9 @@ def load_key_tile(cache, table_ptr, n0, end, head_offset, stride_page, stride_sl
     cache's last dim must be contiguous.  ``MASKED``: keys ``>= end`` read 0
     (otherwise every key of the tile must be ``< end``).
 
-    When ``PAGE_SIZE`` is a multiple of ``BLOCK_N`` the tile lies inside one
-    page, so one page-table entry serves it.  ``USE_TMA`` (that case only):
+    ``ONE_PAGE`` (``PAGE_SIZE`` a multiple of ``BLOCK_N``): the tile lies inside
+    one page, so one page-table entry serves it; otherwise every key looks up
+    its page.  ``USE_TMA`` (with ``ONE_PAGE`` only):
     ``cache`` is a 2-D tensor descriptor over rows of ``D`` values, page ``p``
     of this head starting at row ``p * page_rows + head_offset``; the copy
     engine then fetches the tile without per-element addresses.
@@ -42,7 +43,7 @@ def load_key_tile(cache, table_ptr, n0, end, head_offset, stride_page, stride_sl
     keys = n0 + tl.arange(0, BLOCK_N)
     key_mask = keys < end
     cols = tl.arange(0, HEAD_DIM)
-    if PAGE_SIZE % BLOCK_N == 0:
+    if ONE_PAGE:
         page = tl.load(table_ptr + n0 // PAGE_SIZE).to(tl.int64)
         slot0 = n0 % PAGE_SIZE
         if USE_TMA:
@@ -110,25 +111,31 @@ def _fold_key_tile(n0, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_ta
                    k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
                    k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, USE_TMA: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ONE_PAGE: tl.constexpr,
+                   USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
     k = load_key_tile(k_src, k_table, n0, end, k_head_offset, stride_kp, stride_ks, k_page_rows,
-                      PAGE_SIZE, HEAD_DIM, BLOCK_N, MASKED, USE_TMA)
+                      PAGE_SIZE, HEAD_DIM, BLOCK_N, MASKED, ONE_PAGE, USE_TMA)
     v = load_key_tile(v_src, v_table, n0, end, v_head_offset, stride_vp, stride_vs, v_page_rows,
-                      PAGE_SIZE, HEAD_DIM, BLOCK_N, MASKED, USE_TMA)
+                      PAGE_SIZE, HEAD_DIM, BLOCK_N, MASKED, ONE_PAGE, USE_TMA)
     keys = n0 + tl.arange(0, BLOCK_N)
     return online_softmax_step(q, k, v, acc, m_i, l_i, q_pos, keys, keys < end, scale_log2,
                                window_left, MASKED, CAUSAL, WINDOW, INTERPRET)
 
 
 @triton.jit
-def _fold_key_tiles(lo, hi, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
-                    k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
-                    k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, USE_TMA: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    """The key tiles starting in ``[lo, hi)``, ``BLOCK_N`` apart; keys ``>= end`` excluded."""
+def fold_key_tiles(lo, hi, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
+                   k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
+                   k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ONE_PAGE: tl.constexpr,
+                   USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
+    """Fold the key tiles starting in ``[lo, hi)``, ``BLOCK_N`` apart, of one request
+    and KV head into ``(acc, m_i, l_i)``; keys ``>= end`` are excluded.
+
+    ``lo`` is a multiple of ``BLOCK_N``.  ``MASKED``, ``ONE_PAGE`` and ``USE_TMA``
+    as in :func:`load_key_tile` and :func:`online_softmax_step`;
+    ``k_table``/``v_table`` point at the request's page-table rows.
+    """
     if INTERPRET:
         # The interpreter's scalars are 1-element arrays, which ``range`` cannot
         # take as bounds; a while loop gives the same iterations.
@@ -138,7 +145,7 @@ def _fold_key_tiles(lo, hi, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table,
                 n0, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
                 k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
                 k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE, HEAD_DIM,
-                BLOCK_N, MASKED, CAUSAL, WINDOW, USE_TMA, INTERPRET)
+                BLOCK_N, MASKED, CAUSAL, WINDOW, ONE_PAGE, USE_TMA, INTERPRET)
             n0 += BLOCK_N
     else:
         # A for loop, so that the compiler software-pipelines the page loads.
@@ -147,7 +154,7 @@ def _fold_key_tiles(lo, hi, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table,
                 n0, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
                 k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
                 k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE, HEAD_DIM,
-                BLOCK_N, MASKED, CAUSAL, WINDOW, USE_TMA, INTERPRET)
+                BLOCK_N, MASKED, CAUSAL, WINDOW, ONE_PAGE, USE_TMA, INTERPRET)
     return acc, m_i, l_i
 
 
@@ -156,27 +163,25 @@ def attend_key_range(start, full_end, end, q, acc, m_i, l_i, q_pos, k_src, v_src
                      v_table, k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp,
                      stride_vs, k_page_rows, v_page_rows, scale_log2, window_left,
                      PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, USE_TMA: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    """Fold keys ``[start, end)`` of one request and KV head, ``BLOCK_N`` at a time.
+                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ONE_PAGE: tl.constexpr,
+                     USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
+    """Fold keys ``[start, end)``: the tiles before ``full_end`` without masks, the rest
+    with them (:func:`fold_key_tiles`).
 
-    ``start`` and ``full_end`` are multiples of ``BLOCK_N`` apart; the tiles
-    before ``full_end`` must hold only keys ``< end`` that every row may see
-    (see :func:`unmasked_end`) and skip the masks; the rest are masked.
-    ``k_src``/``v_src`` are cache pointers, or tensor descriptors when
-    ``USE_TMA`` (see :func:`load_key_tile`); ``k_table``/``v_table`` point at
-    the request's page-table rows.  Returns the updated ``(acc, m_i, l_i)``.
+    ``full_end - start`` is a multiple of ``BLOCK_N``, and the tiles before it
+    hold only keys ``< end`` that every row may see (see :func:`unmasked_end`).
+    Returns the updated ``(acc, m_i, l_i)``.
     """
-    acc, m_i, l_i = _fold_key_tiles(
+    acc, m_i, l_i = fold_key_tiles(
         start, full_end, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
         k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
         k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N,
-        False, CAUSAL, WINDOW, USE_TMA, INTERPRET)
-    return _fold_key_tiles(
+        False, CAUSAL, WINDOW, ONE_PAGE, USE_TMA, INTERPRET)
+    return fold_key_tiles(
         full_end, end, end, q, acc, m_i, l_i, q_pos, k_src, v_src, k_table, v_table,
         k_head_offset, v_head_offset, stride_kp, stride_ks, stride_vp, stride_vs,
         k_page_rows, v_page_rows, scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N,
-        True, CAUSAL, WINDOW, USE_TMA, INTERPRET)
+        True, CAUSAL, WINDOW, ONE_PAGE, USE_TMA, INTERPRET)
 
 
 @triton.jit

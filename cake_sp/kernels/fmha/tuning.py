@@ -28,6 +28,16 @@ DECODE_PROGRAMS_PER_SM = 2
 DECODE_MAX_SPLITS = 64
 
 
+def decode_max_split_keys(kv_element_size: int) -> int | None:
+    """Most keys one split may fold, or None for no bound beyond the programs-per-SM rule.
+
+    FP8 KV: 4096.  At B = 64 with 8 KV heads the rule above leaves one split of
+    8k-32k keys per program; two to eight splits there took 8-9 % less time on an
+    H200, while bf16 KV gained nothing (docs/results/producer_and_fmha_sweeps_h200.md).
+    """
+    return 4096 if kv_element_size == 1 else None
+
+
 
 def decode_block_n(kv_element_size: int, head_dim: int) -> int:
     """Keys per decode tile.  FP8 KV at D <= 128 reads 128 keys a step: as many
