@@ -140,9 +140,9 @@ def context_triton(p: PagedAttention) -> None:
     """Run ``p`` (a context call, ``p.cu_q`` set) on the paged prefill kernel."""
     ensure_sources_verified()
     _, num_heads, head_dim = p.query.shape
-    block_m = tuning.CONTEXT_BLOCK_M
-    block_n = tuning.context_block_n(head_dim)
+    block_n = tuning.context_block_n(head_dim, p.page_size)
     use_tma = _tma_fits(p, block_n)
+    block_m, num_warps, num_stages = tuning.context_launch(head_dim, block_n, use_tma)
     k_src, k_head_offset, k_page_rows = _kv_source(p.k_cache, block_n, use_tma)
     v_src, v_head_offset, v_page_rows = _kv_source(p.v_cache, block_n, use_tma)
     grid = (p.batch * num_heads, max(1, triton.cdiv(p.max_q_len, block_m)))
@@ -160,5 +160,5 @@ def context_triton(p: PagedAttention) -> None:
         CAUSAL=p.causal, WINDOW=p.window_left >= 0,
         HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None,
         OUT_BF16=p.out.dtype == torch.bfloat16, USE_TMA=use_tma, INTERPRET=INTERPRET,
-        num_warps=tuning.CONTEXT_NUM_WARPS, num_stages=tuning.CONTEXT_NUM_STAGES,
+        num_warps=num_warps, num_stages=num_stages,
     )

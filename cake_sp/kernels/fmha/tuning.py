@@ -48,9 +48,6 @@ def decode_block_n(kv_element_size: int, head_dim: int) -> int:
     return 128 if kv_element_size == 1 and head_dim <= 128 else 64
 
 
-CONTEXT_BLOCK_M = 16 if INTERPRET else 128
-CONTEXT_NUM_WARPS = 4 if INTERPRET else 8
-CONTEXT_NUM_STAGES = 3
 # K/V tiles by TMA wherever the cache layout allows (context.py); the CPU
 # interpreter emulates the descriptors, so CI runs that path too.
 CONTEXT_USE_TMA = True
@@ -63,11 +60,34 @@ def context_tma_available(device: torch.device) -> bool:
     return CONTEXT_USE_TMA and device.type == "cuda" and tma_supported(device.index)
 
 
-def context_block_n(head_dim: int) -> int:
-    """Keys per tile of the context kernel; D = 256 halves it to stay inside shared memory."""
+def context_block_n(head_dim: int, page_size: int) -> int:
+    """Keys per tile of the context kernel.
+
+    64, or 32 on 32-key pages so that a tile stays inside one page (one page
+    lookup, TMA): 386 against 314 TFLOP/s for 64-key tiles gathered key by key,
+    causal T = 16384 on an H200.  D = 256 takes 32 to stay inside shared memory.
+    """
     if INTERPRET:
         return 16
-    return 32 if head_dim == 256 else 64
+    if head_dim == 256 or (page_size % 64 and page_size % 32 == 0):
+        return 32
+    return 64
+
+
+def context_launch(head_dim: int, block_n: int, tma: bool) -> tuple[int, int, int]:
+    """``(BLOCK_M, num_warps, num_stages)`` of the context kernel.
+
+    With TMA at D <= 128: 128 query rows on one warpgroup (4 warps) for 64-key
+    tiles, 472 TFLOP/s against 358 on two warpgroups (causal T = 16384, page 64,
+    an H200); 64 rows for 32-key tiles.  Pointer loads and D = 256 keep 128
+    rows on 8 warps, which spill least there (D = 256 is not measured).
+    Sweeps: docs/results/producer_and_fmha_sweeps_h200.md.
+    """
+    if INTERPRET:
+        return 16, 4, 3
+    if head_dim == 256 or not tma:
+        return 128, 8, 3
+    return (128 if block_n == 64 else 64), 4, 3
 
 
 @functools.cache
