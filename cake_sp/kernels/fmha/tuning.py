@@ -19,6 +19,7 @@ from cake_sp.kernels._config import INTERPRET, tma_supported
 # the register budget at D = 256, so wider problems take the compat route.
 DECODE_MIN_ROWS = 16
 DECODE_MAX_ROWS = 64
+# 8 warps ran 35-40 % slower with FP8 KV and up to 33 % with bf16 (sweep 3).
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 # Split-KV: aim for this many programs per SM so that small batches still fill
@@ -32,8 +33,9 @@ def decode_max_split_keys(kv_element_size: int) -> int | None:
     """Most keys one split may fold, or None for no bound beyond the programs-per-SM rule.
 
     FP8 KV: 4096.  At B = 64 with 8 KV heads the rule above leaves one split of
-    8k-32k keys per program; two to eight splits there took 8-9 % less time on an
-    H200, while bf16 KV gained nothing (docs/results/producer_and_fmha_sweeps_h200.md).
+    8k-32k keys per program; two to eight splits there took 8-11 % less time on
+    an H200, 2048 keys lost 5 % at B = 16, and bf16 KV gained nothing
+    (docs/results/producer_and_fmha_sweeps_h200.md, sweep 4).
     """
     return 4096 if kv_element_size == 1 else None
 
