@@ -3,7 +3,7 @@
 Decode rows: B x KV length x Hq/Hkv, D = 128, bf16 or fp8 (e4m3) KV; reported
 as achieved GB/s of KV read (the bytes the paged kernel must read), next to
 SDPA reading the same KV in bf16 from a contiguous ``[B, Hkv, L, D]`` tensor,
-and as a fraction of the measured HBM copy bandwidth.  Context rows: one
+and as a fraction of the measured HBM read bandwidth (``_bandwidth.py``).  Context rows: one
 causal sequence of T tokens, GQA 32/8, D = 128, bf16; reported in TFLOP/s
 (causal FLOPs ``2 * 2 * T^2 / 2 * Hq * D``).
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from _bandwidth import hbm_bandwidths
 from _graphs import graphed
 
 import cake_sp
@@ -67,14 +68,6 @@ def _time_ms(fn, timing: Timing) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def hbm_bandwidth_gbs(timing: Timing) -> float:
-    """Measured device-to-device copy bandwidth (read + write bytes), GB/s."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), timing)
-    return 2 * src.numel() / ms / 1e6
 
 
 def sdpa_best_ms(q, k, v, causal: bool, timing: Timing) -> tuple[float, str]:
@@ -155,7 +148,7 @@ def bench_context(tokens, page_size, timing, hq=32, hkv=8) -> dict:
 
 
 def markdown(rows: list[dict], hbm: float) -> str:
-    lines = [f"HBM copy bandwidth: {hbm:.0f} GB/s", "",
+    lines = [f"HBM read bandwidth: {hbm:.0f} GB/s", "",
              "| op | shape | KV | cake_sp | SDPA (backend) | cake_sp / SDPA |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -187,7 +180,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_fmha needs a CUDA GPU")
     timing = Timing(args.warmup, args.reps, args.eager)
-    hbm = hbm_bandwidth_gbs(timing)
+    hbm = hbm_bandwidths()["read"] / 1e9
     rows = []
     ops = args.ops.split(",")
     if "decode" in ops:
@@ -206,7 +199,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "hbm_gbs": hbm,
+            json.dump({"device": torch.cuda.get_device_name(), "hbm_read_gbs": hbm,
                        "settings": vars(args), "rows": rows}, f, indent=2)
     print(markdown(rows, hbm))
 

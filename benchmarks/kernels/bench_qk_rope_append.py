@@ -12,7 +12,8 @@ x qk_norm_policy ``0/1/2``.  Columns, all per call, in microseconds:
 * ``fused graph``: one CUDA graph holding ``--calls-per-graph`` back-to-back
   calls, replayed; launch overhead amortised, so this is the kernel's time;
 * ``fused eager``: the Python call (launcher + kernel), synchronising at the end;
-* ``floor``: ``max(bytes moved / measured HBM bandwidth, launch floor)``, bytes
+* ``floor``: ``max(bytes moved / HBM read + write bandwidth, launch floor)``, the
+  bandwidth measured by a kernel (``_bandwidth.py``), bytes
   counted from the actual metadata (``qkv`` and ``cos_sin`` rows read, Q/K/V
   written, last-page tails zeroed, ``q_scale``); the launch floor is one tiny
   kernel per graph node, measured the same way;
@@ -33,6 +34,7 @@ import sys
 from collections.abc import Callable
 
 import torch
+from _bandwidth import hbm_bandwidths
 
 HEADS = ((8, 1), (64, 8))
 DECODE_B = (1, 32, 128, 256)
@@ -95,14 +97,6 @@ def time_eager(fn: Callable[[], None], iters: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / iters
-
-
-def hbm_bandwidth() -> float:
-    """Bytes per second of a 1 GiB device copy (read + write counted)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = time_graph(lambda: dst.copy_(src), calls=5, replays=10)
-    return 2 * src.numel() / (us * 1e-6)
 
 
 def launch_floor_us() -> float:
@@ -265,7 +259,7 @@ def main(argv=None) -> int:
         return 2
     quants = [int(x) for x in args.quant.split(",")]
     norms = [int(x) for x in args.norm.split(",")]
-    bandwidth, launch = hbm_bandwidth(), launch_floor_us()
+    bandwidth, launch = hbm_bandwidths()["read_write"], launch_floor_us()
     rows = []
     for mode, num_req, new in rows_for(args):
         for heads in HEADS:
