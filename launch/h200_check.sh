@@ -10,7 +10,8 @@
 # sanitizer (compute-sanitizer memcheck + racecheck on the in-process NVLink protocol),
 # bench-producer, bench-append, bench-fmha, bench-comm (the comm benchmark with ranks sharing GPU 0).
 # PARALLEL=1 runs the named stages concurrently (test stages only: benchmarks need the GPU
-# to themselves). Python wheels missing on the machine (nvshmem4py) may be carried in .whl/;
+# to themselves); on a machine with several GPUs each concurrent stage gets its own GPU, in
+# turn (stage i on GPU i mod the GPU count), so stages do not share one. Python wheels missing on the machine (nvshmem4py) may be carried in .whl/;
 # they are installed into /tmp/site. The project itself runs from the tree (PYTHONPATH), not
 # from an install.
 set -uo pipefail
@@ -27,7 +28,20 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 PY=python3
 # PYTEST_ARGS adds pytest options to every test stage (say "-n 8" where pytest-xdist is present).
-PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" --tb=short ${PYTEST_ARGS:-})
+# -v: one line per test as it ends, so a stage cut by its time limit still names what failed.
+PYTEST=(python3 -m pytest -v -p no:cacheprovider -o addopts="-ra" --tb=short ${PYTEST_ARGS:-})
+
+# One line on a stage's log: pytest's final counts, or for a stage cut before them the tests
+# that ended so far, or else the last error line.
+stage_result() {
+    local log=$1 line
+    line=$(grep -E '[0-9]+ (passed|failed|errors?)\b' "$log" | tail -1)
+    if [ -z "$line" ] && grep -qE ' (PASSED|FAILED)' "$log"; then
+        line="cut: $(grep -cE ' PASSED' "$log") passed, $(grep -cE ' FAILED' "$log") failed so far"
+    fi
+    [ -n "$line" ] || line=$(grep -E 'Error' "$log" | tail -1)
+    echo "$line" | cut -c1-110
+}
 
 # Each stage is cut at STAGE_TIMEOUT seconds (rc 124), so one hang cannot eat the whole run.
 run_stage() {
@@ -36,8 +50,7 @@ run_stage() {
     timeout "${STAGE_TIMEOUT:-540}" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     printf '%-16s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" \
-        "$(grep -E 'passed|failed|error|Error' "$OUT/$name.log" | tail -1 | cut -c1-110)" \
-        | tee -a "$OUT/summary.txt"
+        "$(stage_result "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
 }
 
 stage_env() {
@@ -92,8 +105,13 @@ run_named() {
     esac
 }
 
+NUM_GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+lane=0
 for stage in "$@"; do
-    if [ "${PARALLEL:-0}" = 1 ]; then
+    if [ "${PARALLEL:-0}" = 1 ] && [ "${NUM_GPUS:-0}" -gt 1 ]; then
+        CUDA_VISIBLE_DEVICES=$((lane % NUM_GPUS)) run_named "$stage" &
+        lane=$((lane + 1))
+    elif [ "${PARALLEL:-0}" = 1 ]; then
         run_named "$stage" &
     else
         run_named "$stage"
