@@ -115,23 +115,30 @@ def _kv_source(cache: torch.Tensor, block_n: int, use_tma: bool) -> tuple:
     stride_page, stride_head, stride_slot, _ = cache.stride()
     if not use_tma:
         return cache, stride_head, 0
-    pages, heads, page_size, head_dim = cache.shape
-    page_rows, head_rows = stride_page // stride_slot, stride_head // stride_slot
-    rows = (pages - 1) * page_rows + (heads - 1) * head_rows + page_size
-    desc = TensorDescriptor(cache, [rows, head_dim], [stride_slot, 1], [block_n, head_dim])
-    return desc, head_rows, page_rows
+    desc = TensorDescriptor(cache, [_descriptor_rows(cache), cache.shape[3]], [stride_slot, 1],
+                            [block_n, cache.shape[3]])
+    return desc, stride_head // stride_slot, stride_page // stride_slot
+
+
+def _descriptor_rows(cache: torch.Tensor) -> int:
+    """Rows of ``D`` values, ``stride_slot`` apart, from the cache's first row to its last."""
+    stride_page, stride_head, stride_slot, _ = cache.stride()
+    pages, heads, page_size, _ = cache.shape
+    return ((pages - 1) * stride_page + (heads - 1) * stride_head) // stride_slot + page_size
 
 
 def _tma_fits(p: PagedAttention, block_n: int) -> bool:
     """Whether both caches can be read by TMA in ``block_n``-key tiles: tiles inside one
-    page, pages and heads whole numbers of slot rows, 16-byte aligned rows and bases."""
+    page, pages and heads whole numbers of slot rows, 16-byte aligned rows and bases,
+    and row indices that fit the descriptor's int32 coordinates."""
     if p.page_size % block_n or not tuning.context_tma_available(p.query.device):
         return False
     for cache in (p.k_cache, p.v_cache):
         stride_page, stride_head, stride_slot, last = cache.stride()
         size = cache.element_size()
         if (last != 1 or stride_page % stride_slot or stride_head % stride_slot
-                or (stride_slot * size) % 16 or cache.data_ptr() % 16):
+                or (stride_slot * size) % 16 or cache.data_ptr() % 16
+                or _descriptor_rows(cache) >= 2**31):
             return False
     return True
 

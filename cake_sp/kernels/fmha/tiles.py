@@ -37,8 +37,8 @@ def load_key_tile(cache, table_ptr, n0, end, head_offset, stride_page, stride_sl
     one page, so one page-table entry serves it; otherwise every key looks up
     its page.  ``USE_TMA`` (with ``ONE_PAGE`` only):
     ``cache`` is a 2-D tensor descriptor over rows of ``D`` values, page ``p``
-    of this head starting at row ``p * page_rows + head_offset``; the copy
-    engine then fetches the tile without per-element addresses.
+    of this head starting at row ``p * page_rows + head_offset``; the TMA unit
+    then fetches the tile without per-element addresses.
     """
     keys = n0 + tl.arange(0, BLOCK_N)
     key_mask = keys < end
