@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from cake_sp._validation import check_tensor
 from cake_sp.kernels import _config
 from cake_sp.kernels.norm_rope import (
     ROPE_STYLES,
@@ -341,24 +342,6 @@ def _rope_code(rope_style: str | int) -> int:
     return rope_style_code(rope_style)
 
 
-def _check_tensor(name: str, t: torch.Tensor | None, shape: tuple[int, ...],
-                  dtypes: tuple[torch.dtype, ...], device: torch.device,
-                  optional: bool = False) -> None:
-    if t is None and optional:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"qkv_norm_rope_produce: {name} must be a torch.Tensor, "
-                        f"got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"qkv_norm_rope_produce: {name} must have dtype in "
-                        f"{[str(d) for d in dtypes]}, got {t.dtype}")
-    if tuple(t.shape) != shape or not t.is_contiguous():
-        raise ValueError(f"qkv_norm_rope_produce: {name} must be a contiguous {list(shape)} "
-                         f"tensor, got {list(t.shape)} contiguous={t.is_contiguous()}")
-    if t.device != device:
-        raise ValueError(f"qkv_norm_rope_produce: {name} is on {t.device}, expected {device}")
-
-
 def _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
                            positions, plan, dest, dest_table, seq_local, dest_seq_offset, eps,
                            signals, block_m) -> None:
@@ -372,16 +355,17 @@ def _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight
     d, device = plan.head_dim, x.device
     if d not in HEAD_DIMS:
         raise ValueError(f"qkv_norm_rope_produce: head_dim must be one of {HEAD_DIMS}, got {d}")
-    _check_tensor("x", x, (rows, hidden), (torch.bfloat16,), device)
-    _check_tensor("qkv_weight", qkv_weight, (plan.total_heads * d, hidden), (torch.bfloat16,),
-                  device)
-    _check_tensor("qkv_bias", qkv_bias, (plan.total_heads * d,), (torch.bfloat16,), device,
-                  optional=True)
-    _check_tensor("q_norm_weight", q_norm_weight, (d,), (torch.bfloat16,), device, optional=True)
-    _check_tensor("k_norm_weight", k_norm_weight, (d,), (torch.bfloat16,), device, optional=True)
-    _check_tensor("positions", positions, (rows,), (torch.int32, torch.int64), device,
-                  optional=True)
-    _check_tensor("dest_table", dest_table, (plan.world_size,), (torch.int64,), device)
+    check = functools.partial(check_tensor, device=device, contiguous=True,
+                              prefix="qkv_norm_rope_produce: ")
+    bf16 = (torch.bfloat16,)
+    check("x", x, dtypes=bf16, shape=(rows, hidden))
+    check("qkv_weight", qkv_weight, dtypes=bf16, shape=(plan.total_heads * d, hidden))
+    check("qkv_bias", qkv_bias, dtypes=bf16, shape=(plan.total_heads * d,), optional=True)
+    check("q_norm_weight", q_norm_weight, dtypes=bf16, shape=(d,), optional=True)
+    check("k_norm_weight", k_norm_weight, dtypes=bf16, shape=(d,), optional=True)
+    check("positions", positions, dtypes=(torch.int32, torch.int64), shape=(rows,),
+          optional=True)
+    check("dest_table", dest_table, dtypes=(torch.int64,), shape=(plan.world_size,))
     if not isinstance(cos_sin, torch.Tensor) or cos_sin.dtype != torch.float32 \
             or cos_sin.dim() != 2 or cos_sin.shape[1] != d or cos_sin.stride(1) != 1:
         raise ValueError(f"qkv_norm_rope_produce: cos_sin must be fp32 [rows or max_pos, {d}] "

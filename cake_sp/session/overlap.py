@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cake_sp._validation import check_tensor
 from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.session.mesh import (
     Backend,
@@ -234,8 +236,9 @@ class QkvNormRopeExchangeOverlap:
         cfg, plan = self.config, self.plan
         d = cfg.head_dim
         n = plan.total_heads * d
-        bf16 = torch.bfloat16
-        _check_tensor("x", x, bf16, self.device, ndim=3)
+        bf16 = (torch.bfloat16,)
+        check = partial(check_tensor, device=self.device, contiguous=True)
+        check("x", x, dtypes=bf16, ndim=3)
         batch, seq_local, hidden = x.shape
         if hidden != cfg.hidden:
             raise ValueError(f"x must be [B, S_local, hidden={cfg.hidden}], got {tuple(x.shape)}")
@@ -243,17 +246,15 @@ class QkvNormRopeExchangeOverlap:
         if rows < 1 or rows > cfg.max_tokens:
             raise ValueError(f"x has B * S_local = {rows} rows; the session takes 1 to "
                              f"max_tokens={cfg.max_tokens}")
-        _check_tensor("qkv_weight", qkv_weight, bf16, self.device, shape=(n, cfg.hidden))
+        check("qkv_weight", qkv_weight, dtypes=bf16, shape=(n, cfg.hidden))
         for name, tensor in (("x", x), ("qkv_weight", qkv_weight)):
             if tensor.data_ptr() % ALIGNMENT_BYTES:
                 raise ValueError(f"{name} must start at a {ALIGNMENT_BYTES}-byte aligned address "
                                  f"(a fresh tensor does), got {tensor.data_ptr():#x}")
-        _check_tensor("qkv_bias", qkv_bias, bf16, self.device, shape=(n,), optional=True)
-        _check_tensor("q_norm_weight", q_norm_weight, bf16, self.device, shape=(d,),
-                      optional=True)
-        _check_tensor("k_norm_weight", k_norm_weight, bf16, self.device, shape=(d,),
-                      optional=True)
-        _check_tensor("rope_cos_sin", rope_cos_sin, torch.float32, self.device, ndim=2)
+        check("qkv_bias", qkv_bias, dtypes=bf16, shape=(n,), optional=True)
+        check("q_norm_weight", q_norm_weight, dtypes=bf16, shape=(d,), optional=True)
+        check("k_norm_weight", k_norm_weight, dtypes=bf16, shape=(d,), optional=True)
+        check("rope_cos_sin", rope_cos_sin, dtypes=(torch.float32,), ndim=2)
         if rope_cos_sin.shape[1] != d:
             raise ValueError(f"rope_cos_sin must have head_dim={d} columns (cos then sin), got "
                              f"{tuple(rope_cos_sin.shape)}")
@@ -264,8 +265,8 @@ class QkvNormRopeExchangeOverlap:
                                  f"(B * S_local = {rows}), got {table_rows} rows")
             flat_positions = None
         else:
-            _check_tensor("positions", positions, (torch.int32, torch.int64), self.device,
-                          shape=(batch, seq_local))
+            check("positions", positions, dtypes=(torch.int32, torch.int64),
+                  shape=(batch, seq_local))
             if not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
                 # One small reduction; skipped under graph capture, where it cannot sync.
                 low, high = torch.aminmax(positions)
@@ -292,7 +293,8 @@ class QkvNormRopeExchangeOverlap:
                         "out[2] (v)": (call.batch, s_global, plan.kv_per_rank, d)}
             tensors = list(out)
         for (name, shape), tensor in zip(expected.items(), tensors):
-            _check_tensor(name, tensor, torch.bfloat16, self.device, shape=shape)
+            check_tensor(name, tensor, dtypes=(torch.bfloat16,), device=self.device, shape=shape,
+                         contiguous=True)
         return tensors
 
 
@@ -323,26 +325,3 @@ def _agree(gathered: list, env: EnvOverrides) -> BackendDecision:
     probes = [probe for _, _, probe in gathered]
     return decide_backend(configs[0]["backend"], probes, allow_shared_gpu=env.allow_shared_gpu)
 
-
-def _check_tensor(name: str, tensor, dtype, device: torch.device, *, shape=None, ndim=None,
-                  optional: bool = False) -> None:
-    """Raise TypeError/ValueError naming ``name`` unless ``tensor`` is as expected."""
-    if tensor is None:
-        if optional:
-            return
-        raise TypeError(f"{name} must be a tensor, got None")
-    if not isinstance(tensor, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    if tensor.dtype not in dtypes:
-        want = " or ".join(str(t) for t in dtypes)
-        raise TypeError(f"{name} must be {want}, got {tensor.dtype}")
-    if tensor.device != device:
-        raise ValueError(f"{name} must be on {device}, got {tensor.device}")
-    if ndim is not None and tensor.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
-    if shape is not None and tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides "
-                         f"{tensor.stride()}")

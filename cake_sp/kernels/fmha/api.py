@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from cake_sp._validation import check_tensor, describe
 from cake_sp.kernels._config import INTERPRET
 from cake_sp.kernels.fmha.compat import compat_attention
 from cake_sp.kernels.fmha.context import context_triton
@@ -85,22 +86,6 @@ def _check_flashinfer_only(op: str, extra: dict[str, Any], table: dict) -> None:
                 f"{op}: {name}={value!r} ({feature}) is not supported by cake_sp")
 
 
-def _desc(x: torch.Tensor) -> str:
-    return f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
-
-
-def _check_tensor(name: str, x: Any, device: torch.device | None = None,
-                  dtypes: tuple[torch.dtype, ...] | None = None, ndim: int | None = None) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if dtypes is not None and x.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {_desc(x)}")
-    if ndim is not None and x.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got {_desc(x)}")
-    if device is not None and x.device != device:
-        raise ValueError(f"{name} must be on {device} like query, got {_desc(x)}")
-
-
 def _check_int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -123,19 +108,19 @@ def _unpack_kv(kv_cache: Any, kv_layout: str, query: torch.Tensor):
         if len(kv_cache) != 2:
             raise ValueError(f"kv_cache as a sequence must be (K, V), got {len(kv_cache)} items")
         k, v = kv_cache
-        _check_tensor("kv_cache[0]", k, query.device, ndim=4)
-        _check_tensor("kv_cache[1]", v, query.device, ndim=4)
+        check_tensor("kv_cache[0]", k, device=query.device, ndim=4)
+        check_tensor("kv_cache[1]", v, device=query.device, ndim=4)
     else:
-        _check_tensor("kv_cache", kv_cache, query.device, ndim=5)
+        check_tensor("kv_cache", kv_cache, device=query.device, ndim=5)
         if kv_cache.shape[1] != 2:
             raise ValueError(f"kv_cache must be [pages, 2, ...] (K then V), got "
-                             f"{_desc(kv_cache)}")
+                             f"{describe(kv_cache)}")
         k, v = kv_cache[:, 0], kv_cache[:, 1]
     if k.shape != v.shape or k.dtype != v.dtype:
-        raise ValueError(f"K and V caches must match, got K {_desc(k)} and V {_desc(v)}")
+        raise ValueError(f"K and V caches must match, got K {describe(k)} and V {describe(v)}")
     if k.dtype not in (query.dtype, torch.float8_e4m3fn):
         raise TypeError(f"kv_cache dtype must be the query's ({query.dtype}) or "
-                        f"torch.float8_e4m3fn, got {_desc(k)}")
+                        f"torch.float8_e4m3fn, got {describe(k)}")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"kv_cache head_dim must be contiguous, got strides {k.stride()}")
     if kv_layout == "NHD":
@@ -146,7 +131,7 @@ def _unpack_kv(kv_cache: Any, kv_layout: str, query: torch.Tensor):
     hkv = k.shape[1]
     if hkv < 1 or num_heads % hkv != 0 or not 1 <= num_heads // hkv <= MAX_GROUP:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({hkv}) "
-                         f"with a group of 1 to {MAX_GROUP} ({kv_layout} kv_cache {_desc(k)})")
+                         f"with a group of 1 to {MAX_GROUP} ({kv_layout} kv_cache {describe(k)})")
     return k, v
 
 
@@ -155,37 +140,36 @@ def _prepare(op: str, query, kv_cache, workspace_buffer, block_tables, seq_lens,
              out_dtype, sinks, kv_layout, uses_shared_paged_kv_idx, lse, return_lse, causal,
              q_len_per_req: int, cu_q, batch_size: int | None):
     """Validate every argument, then allocate ``out``/``lse``; returns ``(problem, cell)``."""
-    _check_tensor("query", query, ndim=3, dtypes=tuple(_HALF))
+    check_tensor("query", query, dtypes=tuple(_HALF), ndim=3)
     dev = query.device
     num_tokens, num_heads, head_dim = query.shape
     if head_dim not in VALID_HEAD_DIMS:
         raise ValueError(f"query head_dim must be one of {list(VALID_HEAD_DIMS)}, got "
-                         f"{_desc(query)}")
+                         f"{describe(query)}")
     if query.stride(-1) != 1:
         raise ValueError(f"query head_dim must be contiguous, got strides {query.stride()}")
     k, v = _unpack_kv(kv_cache, kv_layout, query)
-    _check_tensor("workspace_buffer", workspace_buffer, dev)
-    if not workspace_buffer.is_contiguous():
-        raise ValueError(f"workspace_buffer must be contiguous, got {_desc(workspace_buffer)}")
+    check_tensor("workspace_buffer", workspace_buffer, device=dev, contiguous=True)
 
     shared = uses_shared_paged_kv_idx
     if not isinstance(shared, bool):
         raise TypeError(f"uses_shared_paged_kv_idx must be a bool, got {shared!r}")
-    _check_tensor("block_tables", block_tables, dev, _INDEX_DTYPES)
+    check_tensor("block_tables", block_tables, dtypes=_INDEX_DTYPES, device=dev)
     if shared and block_tables.ndim != 2:
         raise ValueError("block_tables must be [B, max_pages] when uses_shared_paged_kv_idx="
-                         f"True, got {_desc(block_tables)}")
+                         f"True, got {describe(block_tables)}")
     if not shared and (block_tables.ndim != 3 or block_tables.shape[1] != 2):
         raise ValueError("block_tables must be [B, 2, max_pages] (K and V page tables) when "
-                         f"uses_shared_paged_kv_idx=False, got {_desc(block_tables)}")
+                         f"uses_shared_paged_kv_idx=False, got {describe(block_tables)}")
     if block_tables.stride(-1) != 1:
         raise ValueError(f"block_tables rows must be contiguous, got {block_tables.stride()}")
     k_tables = block_tables if shared else block_tables[:, 0]
     v_tables = block_tables if shared else block_tables[:, 1]
     batch = block_tables.shape[0]
-    _check_tensor("seq_lens", seq_lens, dev, _INDEX_DTYPES, 1)
+    check_tensor("seq_lens", seq_lens, dtypes=_INDEX_DTYPES, device=dev, ndim=1)
     if seq_lens.shape[0] != batch:
-        raise ValueError(f"seq_lens must be [B={batch}] like block_tables, got {_desc(seq_lens)}")
+        raise ValueError(f"seq_lens must be [B={batch}] like block_tables, got "
+                         f"{describe(seq_lens)}")
     if batch_size is not None and batch_size != batch:
         raise ValueError(f"batch_size ({batch_size}) must equal block_tables.shape[0] ({batch})")
     capacity = block_tables.shape[-1] * k.shape[2]
@@ -196,18 +180,18 @@ def _prepare(op: str, query, kv_cache, workspace_buffer, block_tables, seq_lens,
     if op == "decode":
         if num_tokens != batch * q_len_per_req:
             raise ValueError(f"query must hold B * q_len_per_req = {batch} * {q_len_per_req} "
-                             f"tokens, got {_desc(query)}")
+                             f"tokens, got {describe(query)}")
     else:
-        _check_tensor("cum_seq_lens_q", cu_q, dev, _INDEX_DTYPES, 1)
+        check_tensor("cum_seq_lens_q", cu_q, dtypes=_INDEX_DTYPES, device=dev, ndim=1)
         if cu_q.shape[0] != batch + 1:
-            raise ValueError(f"cum_seq_lens_q must be [B + 1 = {batch + 1}], got {_desc(cu_q)}")
+            raise ValueError(f"cum_seq_lens_q must be [B + 1 = {batch + 1}], got {describe(cu_q)}")
 
     scale1, scale2 = _check_scale("bmm1_scale", bmm1_scale), _check_scale("bmm2_scale", bmm2_scale)
     window_left = _check_int("window_left", window_left, -1)
     if sinks is not None:
-        _check_tensor("sinks", sinks, dev, (torch.float32,), 1)
+        check_tensor("sinks", sinks, dtypes=(torch.float32,), device=dev, ndim=1)
         if sinks.shape[0] != num_heads:
-            raise ValueError(f"sinks must be [Hq={num_heads}], got {_desc(sinks)}")
+            raise ValueError(f"sinks must be [Hq={num_heads}], got {describe(sinks)}")
     if isinstance(out_dtype, str):
         if out_dtype == "nvfp4":
             raise NotImplementedError("out_dtype='nvfp4' (NVFP4 output) is not supported")
@@ -215,17 +199,17 @@ def _prepare(op: str, query, kv_cache, workspace_buffer, block_tables, seq_lens,
     if out_dtype is not None and out_dtype not in _HALF:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     if out is not None:
-        _check_tensor("out", out, dev, (out_dtype,) if out_dtype else tuple(_HALF))
+        check_tensor("out", out, dtypes=(out_dtype,) if out_dtype else tuple(_HALF), device=dev)
         if out.shape != query.shape or out.stride(-1) != 1:
             raise ValueError(f"out must be {tuple(query.shape)} with a contiguous head_dim, got "
-                             f"{_desc(out)}, strides {out.stride()}")
+                             f"{describe(out)}, strides {out.stride()}")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if lse is not None:
-        _check_tensor("lse", lse, dev, (torch.float32,), 2)
+        check_tensor("lse", lse, dtypes=(torch.float32,), device=dev, ndim=2)
         if lse.shape != (num_tokens, num_heads) or not lse.is_contiguous():
             raise ValueError(f"lse must be contiguous [{num_tokens}, {num_heads}], got "
-                             f"{_desc(lse)}")
+                             f"{describe(lse)}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
 
@@ -386,11 +370,11 @@ def batch_context_with_kv_cache(
     """
     _check_flashinfer_only("batch_context_with_kv_cache", flashinfer_only, _FLASHINFER_ONLY)
     batch = _check_int("batch_size", batch_size, 1)
-    _check_tensor("cum_seq_lens_kv", cum_seq_lens_kv, query.device if isinstance(
-        query, torch.Tensor) else None, _INDEX_DTYPES, 1)
+    check_tensor("cum_seq_lens_kv", cum_seq_lens_kv, dtypes=_INDEX_DTYPES, ndim=1,
+                 device=query.device if isinstance(query, torch.Tensor) else None)
     if cum_seq_lens_kv.shape[0] != batch + 1:
         raise ValueError(f"cum_seq_lens_kv must be [batch_size + 1 = {batch + 1}], got "
-                         f"{_desc(cum_seq_lens_kv)}")
+                         f"{describe(cum_seq_lens_kv)}")
     problem, cell = _prepare(
         "context", query, kv_cache, workspace_buffer, block_tables, seq_lens,
         max_q_len=_check_int("max_q_len", max_q_len, 1),

@@ -1,0 +1,42 @@
+"""Checks of tensor arguments shared by the public calls; errors name the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def describe(t: torch.Tensor) -> str:
+    """``shape (...), dtype ..., device ...``: how an error message quotes a tensor."""
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_tensor(name: str, value: object, *, dtypes: Sequence[torch.dtype] | None = None,
+                 device: torch.device | None = None, ndim: int | None = None,
+                 shape: Sequence[int] | None = None, contiguous: bool = False,
+                 optional: bool = False, prefix: str = "") -> None:
+    """Raise unless ``value`` is a tensor as described; a check given None is skipped.
+
+    In this order: ``value`` must be a ``torch.Tensor`` (None passes if ``optional``)
+    with a dtype in ``dtypes``, else TypeError; then it must be on ``device``, have
+    ``ndim`` dims and exactly ``shape``, and be contiguous if ``contiguous``, else
+    ValueError.  The message starts ``f"{prefix}{name}"`` and states the expected value.
+    """
+    if value is None and optional:
+        return
+    arg = f"{prefix}{name}"
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor, got {type(value).__name__}")
+    if dtypes is not None and value.dtype not in dtypes:
+        raise TypeError(f"{arg} must have dtype in {[str(d) for d in dtypes]}, "
+                        f"got {describe(value)}")
+    if device is not None and value.device != device:
+        raise ValueError(f"{arg} must be on {device}, got {describe(value)}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{arg} must be {ndim}-D, got {describe(value)}")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{arg} must have shape {tuple(shape)}, got {describe(value)}")
+    if contiguous and not value.is_contiguous():
+        raise ValueError(f"{arg} must be contiguous (call .contiguous()), got strides "
+                         f"{value.stride()}")
