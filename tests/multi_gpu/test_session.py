@@ -163,7 +163,7 @@ def case_bad_call_inputs_raise_before_any_collective(ctx):
     with QkvNormRopeExchangeOverlap(num_q_heads=w, num_kv_heads=w, head_dim=128, hidden=HIDDEN,
                                     max_tokens=8, device=ctx.device) as session:
         bad = {
-            "x_dtype": ((x.float(), weight, qn, kn, table, pos), TypeError, "x must be"),
+            "x_dtype": ((x.float(), weight, qn, kn, table, pos), TypeError, "x must have dtype"),
             "x_shape": ((x[..., :-1].contiguous(), weight, qn, kn, table, pos), ValueError,
                         "hidden="),
             "rows": ((torch.cat([x, x], 1), weight, qn, kn, table, torch.cat([pos, pos], 1)),
@@ -207,14 +207,48 @@ def case_lifecycle(ctx):
     return {"closed": closed, "graph_capturable": capturable, "repr": repr(session)}
 
 
-def _gpu_problem_stream(ctx, seed, hq, hkv, rows_choices, calls):
-    """Per-call (problem, rows) from a seed every rank shares: fresh inputs, varying sizes."""
+def _gpu_call_plan(seed, rows_choices, calls):
+    """Per-call (rows, problem seed) from a seed every rank shares, so the ranks agree on sizes."""
     g = torch.Generator().manual_seed(seed)
     for _ in range(calls):
         rows = rows_choices[int(torch.randint(len(rows_choices), (1,), generator=g))]
-        yield make_problem(int(torch.randint(2**31, (1,), generator=g)), ctx.world_size,
-                           num_q_heads=hq, num_kv_heads=hkv, hidden=HIDDEN, batch=1,
-                           seq_local=rows, positions=False)
+        yield rows, int(torch.randint(2**31, (1,), generator=g))
+
+
+def _gpu_problem(ctx, hq, hkv, rows, seed):
+    return make_problem(seed, ctx.world_size, num_q_heads=hq, num_kv_heads=hkv, hidden=HIDDEN,
+                        batch=1, seq_local=rows, positions=False)
+
+
+def _gpu_problem_stream(ctx, seed, hq, hkv, rows_choices, calls):
+    """Per-call problems from a seed every rank shares: fresh inputs, varying sizes."""
+    for rows, problem_seed in _gpu_call_plan(seed, rows_choices, calls):
+        yield _gpu_problem(ctx, hq, hkv, rows, problem_seed)
+
+
+def _back_to_back_inputs(ctx, seed, hq, hkv, rows_choices, calls, check_every):
+    """Per-call (device args, reference output or None), all built before the first call.
+
+    Row counts and seeds come from ``_gpu_call_plan`` as in ``_gpu_problem_stream``,
+    so every rank makes the same sequence of calls.  Every ``check_every``-th call
+    gets fresh inputs and its reference.  The other calls only stress the protocol
+    (epochs, slot ring, readiness words), not the math, so they reuse one device
+    input per row count: building every rank's random problem on the host for
+    every call, in every process (10-25 ms at W=2-8), and copying it to the GPU
+    (a pageable copy, which may wait for the GPU) kept the case running for
+    minutes with W processes on one GPU.
+    """
+    pool = {rows: _gpu_problem(ctx, hq, hkv, rows, seed=rows).rank_args(ctx.rank, ctx.device)
+            for rows in rows_choices}
+    inputs = []
+    for i, (rows, problem_seed) in enumerate(_gpu_call_plan(seed, rows_choices, calls)):
+        if i % check_every:
+            inputs.append((pool[rows], None))
+        else:
+            problem = _gpu_problem(ctx, hq, hkv, rows, problem_seed)
+            inputs.append((problem.rank_args(ctx.rank, ctx.device),
+                           problem.expected(hq, hkv, "interleaved", "bshd")[ctx.rank]))
+    return inputs
 
 
 def case_gpu_back_to_back_calls(ctx):
@@ -223,21 +257,20 @@ def case_gpu_back_to_back_calls(ctx):
     if ctx.device.type != "cuda":
         return {"skipped": "GPU only"}
     hq, hkv = _heads(ctx.world_size, "gqa_replicate")
+    inputs = _back_to_back_inputs(ctx, 11, hq, hkv, [1, 37, 128, 200, 256], BACK_TO_BACK_CALLS,
+                                  check_every=97)
     checked = []
     with QkvNormRopeExchangeOverlap(num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
                                     hidden=HIDDEN, max_tokens=256, device=ctx.device,
                                     backend=REQUESTED_BACKEND) as session:
         pending = []
-        for i, problem in enumerate(_gpu_problem_stream(ctx, 11, hq, hkv, [1, 37, 128, 200, 256],
-                                                        BACK_TO_BACK_CALLS)):
-            args = problem.rank_args(ctx.rank, ctx.device)
-            if i % 97 == 0:
-                want = problem.expected(hq, hkv, "interleaved", "bshd")[ctx.rank]
+        for i, (args, want) in enumerate(inputs):
+            if want is None:
+                session(*args)
+            else:
                 out = tuple(torch.full(w.shape, float("nan"), dtype=torch.bfloat16,
                                        device=ctx.device) for w in want)
                 pending.append((i, session(*args, out=out), want))
-            else:
-                session(*args)
         session.synchronize()
         for i, got, want in pending:
             checked += _compare_qkv(got, want, f"call {i}")
