@@ -181,8 +181,8 @@ def main() -> None:
         raise SystemExit("bench_fmha needs a CUDA GPU")
     timing = Timing(args.warmup, args.reps, args.eager)
     hbm = hbm_bandwidths()["read"] / 1e9
-    # One untimed row first: the first row of a run once measured 7x its rerun
-    # (B = 1, 1k keys), while every later row was in line.
+    # One untimed row first: the first row of a run (B = 1, 1k keys) once took about
+    # 6x what the same kernel took in another run, while every later row was in line.
     bench_decode(1, 1024, *DECODE_HEADS[0], False, args.page_size, hbm, timing)
     rows = []
     ops = args.ops.split(",")
