@@ -84,7 +84,7 @@ class NcclExchange:
             call.x2d, call.qkv_weight, call.qkv_bias, call.q_norm_weight, call.k_norm_weight,
             call.rope_cos_sin, call.positions, plan=self._plan, dest=dest, dest_table=table,
             seq_local=call.seq_local, dest_seq_offset=0, eps=self._eps,
-            rope_style=self._rope_style)
+            rope_style=self._rope_style, validate=False)
 
     def close(self) -> None:
         """Nothing collective to release: the buffers are ordinary device memory."""

@@ -99,7 +99,7 @@ class NvlinkExchange:
             dest=self.slots.layout(call.seq_global), dest_table=self.slots.table(slot),
             seq_local=call.seq_local, dest_seq_offset=self._rank * call.seq_local,
             eps=self._eps, rope_style=self._rope_style, signals=self._signals,
-            block_m=self._block_m)
+            block_m=self._block_m, validate=False)
 
     def finish(self, call: CallInputs, slot: int, out: list[torch.Tensor] | None
                ) -> list[torch.Tensor]:
