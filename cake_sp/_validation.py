@@ -8,20 +8,24 @@ import torch
 
 
 def describe(t: torch.Tensor) -> str:
-    """``shape (...), dtype ..., device ...``: how an error message quotes a tensor."""
-    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+    """``shape (...), dtype ..., device ..., strides (...)``: how an error message quotes a
+    tensor."""
+    return (f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}, "
+            f"strides {tuple(t.stride())}")
 
 
 def check_tensor(name: str, value: object, *, dtypes: Sequence[torch.dtype] | None = None,
                  device: torch.device | None = None, ndim: int | None = None,
                  shape: Sequence[int] | None = None, contiguous: bool = False,
-                 optional: bool = False, prefix: str = "") -> None:
+                 unit_last_stride: bool = False, optional: bool = False,
+                 prefix: str = "") -> None:
     """Raise unless ``value`` is a tensor as described; a check given None is skipped.
 
     In this order: ``value`` must be a ``torch.Tensor`` (None passes if ``optional``)
     with a dtype in ``dtypes``, else TypeError; then it must be on ``device``, have
-    ``ndim`` dims and exactly ``shape``, and be contiguous if ``contiguous``, else
-    ValueError.  The message starts ``f"{prefix}{name}"`` and states the expected value.
+    ``ndim`` dims and exactly ``shape``, be contiguous if ``contiguous``, and have a
+    unit stride in its last dim if ``unit_last_stride``, else ValueError.  The message
+    starts ``f"{prefix}{name}"`` and states the expected value.
     """
     if value is None and optional:
         return
@@ -40,3 +44,5 @@ def check_tensor(name: str, value: object, *, dtypes: Sequence[torch.dtype] | No
     if contiguous and not value.is_contiguous():
         raise ValueError(f"{arg} must be contiguous (call .contiguous()), got strides "
                          f"{value.stride()}")
+    if unit_last_stride and value.numel() > 0 and value.shape[-1] > 1 and value.stride(-1) != 1:
+        raise ValueError(f"{arg} must have a unit stride in its last dim, got {describe(value)}")

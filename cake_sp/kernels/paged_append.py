@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cake_sp._validation import check_tensor, describe
 from cake_sp.kernels import _config
 from cake_sp.kernels.norm_rope import QK_NORM_POLICIES
 
@@ -259,28 +260,12 @@ def launch_constants(num_req: int, max_pages: int) -> dict[str, int]:
 # ----------------------------------------------------------------------------- host
 
 
-def describe(t: torch.Tensor) -> str:
-    """``shape/dtype/device/contiguity`` of a tensor, for error messages."""
-    return (f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}, "
-            f"strides {tuple(t.stride())}")
-
-
 def require_tensor(op: str, name: str, t, *, dtypes: tuple, ndim: int,
                    device: torch.device | None) -> None:
-    """Raise ``TypeError``/``ValueError`` unless ``t`` is a tensor of one of ``dtypes``,
-    ``ndim`` dims, on ``device``, with a unit stride in its last dim."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{op}: {name} must have dtype in {[str(d) for d in dtypes]}, "
-                        f"got {describe(t)}")
-    if t.ndim != ndim:
-        raise ValueError(f"{op}: {name} must have {ndim} dims, got {describe(t)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{op}: {name} must be on {device} (the device of qkv), "
-                         f"got {describe(t)}")
-    if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{op}: {name} must have a unit stride in its last dim, got {describe(t)}")
+    """Raise ``TypeError``/``ValueError`` (``check_tensor``) unless ``t`` is a tensor of one
+    of ``dtypes``, ``ndim`` dims, on ``device``, with a unit stride in its last dim."""
+    check_tensor(name, t, dtypes=dtypes, ndim=ndim, device=device, unit_last_stride=True,
+                 prefix=f"{op}: ")
 
 
 def check_paged_append_common(op: str, qkv, cos_sin, seq_lens, q_indptr, page_indices,

@@ -202,7 +202,7 @@ def _prepare(op: str, query, kv_cache, workspace_buffer, block_tables, seq_lens,
         check_tensor("out", out, dtypes=(out_dtype,) if out_dtype else tuple(_HALF), device=dev)
         if out.shape != query.shape or out.stride(-1) != 1:
             raise ValueError(f"out must be {tuple(query.shape)} with a contiguous head_dim, got "
-                             f"{describe(out)}, strides {out.stride()}")
+                             f"{describe(out)}")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if lse is not None:
