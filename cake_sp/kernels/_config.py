@@ -18,7 +18,6 @@ import torch
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-
 @functools.cache
 def tma_supported(device_index: int) -> bool:
     """Whether GPU ``device_index`` has the tensor memory accelerator (sm_90+)."""
