@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -96,8 +97,7 @@ def verify(ctx: BenchContext, arm, expected: dict) -> tuple[bool, list[dict]]:
     return ok, reports
 
 
-def time_arms(ctx: BenchContext, timer: Timer, schedule: dict, args: argparse.Namespace,
-              advance) -> dict:
+def time_arms(ctx: BenchContext, timer: Timer, schedule: dict, args: argparse.Namespace) -> dict:
     """Warm up, then time every arm of ``schedule`` (name -> arm) in counterbalanced rounds."""
     names = list(schedule)
     for _ in range(args.warmup):
@@ -106,11 +106,9 @@ def time_arms(ctx: BenchContext, timer: Timer, schedule: dict, args: argparse.Na
     synchronize(ctx)
     rounds = max(1, -(-args.samples // 2))
     order = counterbalanced_order(names, rounds)
-    local: list[float] = []
-    for k in range(rounds):
-        local += timer.time_samples([schedule[name].run for kk, name in order if kk == k])
-        advance(1)
-    per_sample, per_rank = max_over_ranks(ctx, local)
+    # One timer batch for every round: a profiler session costs seconds to start and parse.
+    per_sample, per_rank = max_over_ranks(ctx, timer.time_samples([schedule[name].run
+                                                                     for _, name in order]))
     samples = {n: [t for t, (_, m) in zip(per_sample, order, strict=True) if m == n]
                for n in names}
     samples_per_rank = {n: [[t for t, (_, m) in zip(rank, order, strict=True) if m == n]
@@ -162,7 +160,7 @@ def _prepare_arms(ctx: BenchContext, row: Row, names: list[str], inputs: Inputs,
 
 
 def run_row(ctx: BenchContext, timer: Timer, row: Row, args: argparse.Namespace,
-            ceilings: dict, advance) -> dict:
+            ceilings: dict) -> dict:
     """Check and time every requested arm on ``row``; the row's JSON record."""
     world = ctx.world_size
     result: dict = {"row": _row_shape(row, world), "status": "skipped",
@@ -181,7 +179,7 @@ def run_row(ctx: BenchContext, timer: Timer, row: Row, args: argparse.Namespace,
     schedule = {**live, control + AA_SUFFIX: live[control]}
     attempts = []
     for _ in range(args.attempts):
-        attempts.append(time_arms(ctx, timer, schedule, args, advance))
+        attempts.append(time_arms(ctx, timer, schedule, args))
         if not attempts[-1]["aa"]["flagged"]:
             break
     for arm in live.values():
@@ -238,7 +236,28 @@ def _header(doc: dict) -> str:
              f"- link rate: {ceil['link']['rate_bytes_per_s'] / 1e9:.1f} GB/s "
              f"({ceil['link']['rate_source']})"]
     lines += [f"- **caveat**: {c}" for c in doc["caveats"]]
+    if not doc["complete"]:
+        lines.append("- **incomplete**: written while the run was going; later rows are missing")
     return "\n".join(lines)
+
+
+def _write_files(doc: dict, args: argparse.Namespace, ctx: BenchContext, final: bool) -> None:
+    """Rank 0: the JSON, Markdown and PNG of the rows so far; the final call also prints."""
+    results = doc["rows"]
+    text = "\n\n".join([_header(doc), summary_table(results), "Median ms of every arm:",
+                        arms_table(results), "Link ceilings:",
+                        link_tables(doc["ceilings"]["link"])])
+    if final:
+        print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        write_json(args.json, doc)
+    if args.plot:
+        title = (f"{doc['environment'].get('gpu', 'CPU')}, W={ctx.world_size}, {doc['timer']}"
+                 + (" - harness check only, not multi-GPU numbers" if doc["caveats"] else ""))
+        plot_speedups(results, args.plot, title)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,36 +278,28 @@ def run(args: argparse.Namespace) -> int:
     sizes = args.link_sizes or (SIZES_CUDA if ctx.is_cuda else SIZES_CPU)
     ceilings = {"matmul": measure_matmul_rate(ctx, timer, runnable, args.ceiling_samples),
                 "link": measure_link(ctx, timer, sizes, args.ceiling_samples)}
-    results = []
-    rounds = max(1, -(-args.samples // 2))
-    with progress(ctx.rank == 0, len(rows) * rounds, "rows") as advance:
-        for row in rows:
-            results.append(run_row(ctx, timer, row, args, ceilings, advance))
-            last = results[-1]
-            advance(0, f"{row.name}: {last['status']}"
-                       + (f", speedup {last['speedup']:.2f}x" if last.get("speedup") else ""))
-            if ctx.is_cuda:
-                torch.cuda.empty_cache()
     doc = {"schema": SCHEMA, "command": sys.argv, "config": vars(args),
            "environment": environment(ctx), "timer": timer.kind, "caveats": _caveats(ctx),
            "aa_limit_pct": AA_LIMIT_PCT, "arms_catalogue": ARMS, "ceilings": ceilings,
-           "rows": results}
-    failed = [f"{r['row']['name']}/{n}" for r in results for n, a in r["arms"].items()
+           "complete": False, "rows": []}
+    with progress(ctx.rank == 0, len(rows), "rows") as advance:
+        for row in rows:
+            start = time.perf_counter()
+            doc["rows"].append(run_row(ctx, timer, row, args, ceilings))
+            last = doc["rows"][-1]
+            advance(1, f"{row.name}: {last['status']}"
+                       + (f", speedup {last['speedup']:.2f}x" if last.get("speedup") else "")
+                       + f" ({time.perf_counter() - start:.0f} s)")
+            if ctx.rank == 0:
+                # Rewritten after every row, so a run cut short keeps the rows it finished.
+                _write_files(doc, args, ctx, final=False)
+            if ctx.is_cuda:
+                torch.cuda.empty_cache()
+    doc["complete"] = True
+    failed = [f"{r['row']['name']}/{n}" for r in doc["rows"] for n, a in r["arms"].items()
               if a["status"] == "failed"]
     if ctx.rank == 0:
-        text = "\n\n".join([_header(doc), summary_table(results), "Median ms of every arm:",
-                            arms_table(results), "Link ceilings:", link_tables(ceilings["link"])])
-        print(text)
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(text + "\n")
-        if args.json:
-            write_json(args.json, doc)
-        if args.plot:
-            title = (f"{doc['environment'].get('gpu', 'CPU')}, W={ctx.world_size}, {timer.kind}"
-                     + (" - harness check only, not multi-GPU numbers" if doc["caveats"]
-                        else ""))
-            plot_speedups(results, args.plot, title)
+        _write_files(doc, args, ctx, final=True)
         if failed:
             print(f"error: arms failed the reference check: {failed}", file=sys.stderr)
     # Nobody exits before rank 0 has written its files (torchrun stops the rest on an exit).
