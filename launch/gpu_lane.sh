@@ -106,7 +106,7 @@ if wants tests; then
     request=$([[ $backend == nvlink ]] && echo auto || echo nccl)
     step "tests ($backend)" "${LOG}_tests_${backend}.log" env CAKE_SP_TEST_DEVICE=$TEST_DEVICE \
       CAKE_SP_TEST_WORLDS=$W CAKE_SP_TEST_BACKEND=$backend CAKE_SP_TEST_REQUEST=$request \
-      "$PYTHON" -m pytest tests/multi_gpu -m multi_gpu -q
+      "$PYTHON" -m pytest tests/multi_gpu -m multi_gpu -v -rfE
   done
 fi
 
