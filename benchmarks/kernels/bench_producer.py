@@ -12,8 +12,9 @@ pointer table of W buffers, so the stores cost HBM bandwidth, not NVLink):
 
 * ``cublas``: ``x @ qkv_weight.T`` alone (cuBLAS through ``torch.matmul``), bf16 out;
 * ``producer``: ``qkv_norm_rope_produce`` without signals, its default launch
-  (tensor-descriptor mainloop on sm_90+): GEMM + bias + QK RMSNorm + RoPE +
-  stores of every head band at its destination's offset;
+  (``--mainloops`` times named mainloops side by side instead, as
+  ``producer_<mainloop>``): GEMM + bias + QK RMSNorm + RoPE + stores of every
+  head band at its destination's offset;
 * ``eager``: the per-operator front end: ``F.linear``, RMSNorm and RoPE as torch
   ops, then one copy per destination and kind into the same buffers.
 
@@ -57,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rows checked against the fp32 reference before timing")
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=200)
+    p.add_argument("--mainloops", type=lambda t: [m.strip() or None for m in t.split(",")],
+                   default=[None], help="comma list of producer mainloops to time side by side "
+                   "(producer.MAINLOOPS; empty: the launch default); the first is the one "
+                   "the eager and TFLOP/s columns use")
     p.add_argument("--json", metavar="PATH", help="also write rows and environment here")
     return p.parse_args(argv)
 
@@ -108,15 +113,19 @@ def dest_views(p: dict, rank: int, rows: int) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- arms
 
 
-def producer_arm(p: dict) -> Callable[[], None]:
+def producer_arm(p: dict, mainloop: str | None) -> Callable[[], None]:
     from cake_sp.kernels.producer import qkv_norm_rope_produce
 
     def run():
         qkv_norm_rope_produce(
             p["x"], p["weight"], p["bias"], p["q_norm"], p["k_norm"], p["cos_sin"], None,
             plan=p["plan"], dest=p["dest"], dest_table=p["table"], seq_local=p["rows"],
-            dest_seq_offset=0, eps=EPS, rope_style=p["rope_style"])
+            dest_seq_offset=0, eps=EPS, rope_style=p["rope_style"], mainloop=mainloop)
     return run
+
+
+def _producer_arm_names(mainloops: list[str | None]) -> list[str]:
+    return ["producer" if m is None else f"producer_{m}" for m in mainloops]
 
 
 def _slice(heads: range) -> slice:
@@ -219,10 +228,13 @@ def check_projection(p: dict, out: torch.Tensor, rows: int) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def checked_front_ends(p: dict, check_rows: int) -> dict[str, Callable[[], None]]:
-    """The producer arm and the eager arm, each run once into NaN-poisoned buffers
+def checked_front_ends(p: dict, check_rows: int,
+                       mainloops: list[str | None]) -> dict[str, Callable[[], None]]:
+    """The producer arm(s) and the eager arm, each run once into NaN-poisoned buffers
     and checked against the reference."""
-    arms = {"producer": producer_arm(p), "eager": eager_arm(p)}
+    arms = {name: producer_arm(p, m) for name, m in zip(_producer_arm_names(mainloops),
+                                                         mainloops, strict=True)}
+    arms["eager"] = eager_arm(p)
     for name, fn in arms.items():
         for b in p["buffers"]:
             b.fill_(float("nan"))
@@ -240,27 +252,32 @@ def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
     cublas, cublas_out = cublas_arm(p)
     cublas()
     check_projection(p, cublas_out, check_rows)
-    arms = dict(cublas=cublas, **checked_front_ends(p, check_rows))
+    arms = dict(cublas=cublas, **checked_front_ends(p, check_rows, args.mainloops))
     ms = {name: triton.testing.do_bench(graphed(fn), warmup=args.warmup_ms, rep=args.rep_ms,
                                         return_mode="median") for name, fn in arms.items()}
     flop = 2 * rows * p["weight"].shape[0] * hidden
+    first = _producer_arm_names(args.mainloops)[0]
     return dict(world=world, hidden=hidden, seq_global=seq_global, rows=rows,
                 q_heads=p["plan"].num_q_heads, kv_heads=NUM_KV_HEADS, ms=ms,
-                producer_over_cublas=ms["producer"] / ms["cublas"],
-                eager_over_producer=ms["eager"] / ms["producer"],
-                producer_tflops=flop / ms["producer"] / 1e9,
+                over_cublas={a: ms[a] / ms["cublas"]
+                             for a in _producer_arm_names(args.mainloops)},
+                eager_over_producer=ms["eager"] / ms[first],
+                producer_tflops=flop / ms[first] / 1e9,
                 cublas_tflops=flop / ms["cublas"] / 1e9)
 
 
 def markdown(rows: list[dict]) -> str:
     arms = list(rows[0]["ms"]) if rows else []
+    producers = list(rows[0]["over_cublas"]) if rows else []
     head = (["W", "hidden", "S_global", "rows"] + [f"{a} ms" for a in arms]
-            + ["producer / cublas", "eager / producer", "producer TFLOP/s", "cublas TFLOP/s"])
+            + [f"{a} / cublas" for a in producers]
+            + ["eager / producer", "producer TFLOP/s", "cublas TFLOP/s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = ([r["world"], r["hidden"], r["seq_global"], r["rows"]]
                  + [f"{r['ms'][a]:.3f}" for a in arms]
-                 + [f"{r['producer_over_cublas']:.3f}", f"{r['eager_over_producer']:.2f}",
+                 + [f"{r['over_cublas'][a]:.3f}" for a in producers]
+                 + [f"{r['eager_over_producer']:.2f}",
                     f"{r['producer_tflops']:.0f}", f"{r['cublas_tflops']:.0f}"])
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)

@@ -24,6 +24,12 @@ def tma_supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+@functools.cache
+def wgmma_supported(device_index: int) -> bool:
+    """Whether GPU ``device_index`` runs Hopper's warpgroup MMA (sm_90 exactly)."""
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
 # -- signals.py ---------------------------------------------------------------
 # Polls a spin makes in the interpreter before it reports a timeout: there the
 # programs of every virtual rank run one after another, so a word that is not
@@ -49,8 +55,14 @@ PRODUCER_NUM_STAGES: int = 4
 PRODUCER_GROUP_HEADS: int = 16
 # Grid of the persistent producer in the interpreter (no SMs to count there).
 PRODUCER_INTERPRET_PROGRAMS: int = 2
-# Default mainloop on sm_90+: tensor descriptors (TMA) rather than pointer loads.
-PRODUCER_USE_TMA: bool = True
+# Mainloops in order of preference; the launcher takes the first the device and the
+# head size allow (producer.MAINLOOPS says what each needs).
+PRODUCER_MAINLOOPS: tuple[str, ...] = ("tma", "pointer")
+# The warp-specialised mainloop: ring slots of a 256 x 64 + 128 x 64 bf16 block pair
+# (4 x 48 KiB), and the registers of its one-warp TMA loader (the freed registers
+# go to the two wgmma warpgroups).
+PRODUCER_WS_STAGES: int = 4
+PRODUCER_WS_LOADER_REGS: int = 40
 
 # -- paged KV-cache append (qk_rope_append.py, qk_rope_fp8_append.py) --
 # Every program scans q_indptr itself; a chunk of 128 int32 keeps that scan to

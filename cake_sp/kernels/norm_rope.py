@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.experimental.gluon import language as gl
 
 ROPE_STYLES: dict[str, int] = {"interleaved": 0, "neox": 1}
 ROPE_INTERLEAVED: tl.constexpr = tl.constexpr(0)
@@ -83,35 +84,44 @@ def rms_normalize(x, eps, D: tl.constexpr):
 
 
 @triton.jit
-def load_cos_sin(cos_sin_ptr, rows, row_stride, mask, D: tl.constexpr):
+def load_cos_sin(cos_sin_ptr, rows, row_stride, mask, half_cols, D: tl.constexpr):
     """Load the ``cos`` and ``sin`` halves of table ``rows`` as two fp32 ``[BLOCK_M, D/2]`` tiles.
 
-    ``rows`` is an int64 ``[BLOCK_M]`` vector of table row indices; masked rows read 0.
+    ``rows`` is an int64 ``[BLOCK_M]`` vector of table row indices, ``half_cols``
+    ``arange(D/2)`` (the caller's layout); masked rows read 0.
     """
-    cols = tl.arange(0, D // 2)[None, :]
-    ptrs = cos_sin_ptr + rows[:, None] * row_stride + cols
+    ptrs = cos_sin_ptr + rows[:, None] * row_stride + half_cols[None, :]
     cos = tl.load(ptrs, mask=mask[:, None], other=0.0)
     sin = tl.load(ptrs + D // 2, mask=mask[:, None], other=0.0)
     return cos, sin
 
 
 @triton.jit
-def rope_rotate(x, cos, sin, BLOCK_M: tl.constexpr, D: tl.constexpr, STYLE: tl.constexpr):
+def rope_rotate(x, cos, sin, BLOCK_M: tl.constexpr, D: tl.constexpr, STYLE: tl.constexpr,
+                GLUON: tl.constexpr = False):
     """Rotate the channel pairs of an fp32 ``[BLOCK_M, D]`` tile by ``[BLOCK_M, D/2]`` cos, sin.
 
     For each pair ``(a, b)`` with frequency ``i``: ``a' = a cos_i - b sin_i``,
     ``b' = b cos_i + a sin_i``.  ``STYLE`` picks the pairing (``ROPE_STYLES``).
+    ``GLUON``: called from a Gluon kernel, where operands must share a layout:
+    ``cos``/``sin`` take the split halves' layout and the result ``x``'s (register
+    moves only when ``cos``/``sin`` are slices of ``x``'s layout).
     """
     if STYLE == ROPE_INTERLEAVED:
         a, b = tl.split(tl.reshape(x, (BLOCK_M, D // 2, 2)))
     else:
         a, b = tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, D // 2)), (0, 2, 1)))
+    if GLUON:
+        cos = gl.convert_layout(cos, a.type.layout)
+        sin = gl.convert_layout(sin, a.type.layout)
     ra = a * cos - b * sin
     rb = b * cos + a * sin
     if STYLE == ROPE_INTERLEAVED:
         out = tl.reshape(tl.join(ra, rb), (BLOCK_M, D))
     else:
         out = tl.reshape(tl.permute(tl.join(ra, rb), (0, 2, 1)), (BLOCK_M, D))
+    if GLUON:
+        out = gl.convert_layout(out, x.type.layout)
     return out
 
 

@@ -40,28 +40,26 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cake_sp._validation import check_tensor
 from cake_sp.kernels import _config
-from cake_sp.kernels.norm_rope import (
-    ROPE_STYLES,
-    load_cos_sin,
-    rms_normalize,
-    rope_rotate,
-    rope_style_code,
-    round_to_bf16,
-)
-from cake_sp.kernels.signals import (
-    _ENTER_TIMEOUT,
-    ProducerSignals,
-    publish,
-    record_timeout,
-    spin_until_at_least,
-)
+from cake_sp.kernels.norm_rope import ROPE_STYLES, rope_style_code
+from cake_sp.kernels.producer_epilogue import deliver_tile, tile_coords
+from cake_sp.kernels.producer_ws import qkv_produce_ws_kernel
+from cake_sp.kernels.signals import ProducerSignals
 from cake_sp.session.plan import DestLayout, HeadPlan
 
 HEAD_DIMS = (64, 128, 256)
+MAINLOOPS = ("pointer", "tma", "warp_specialized")
+# The warp-specialised kernel stacks its warps along the tile's rows, 16 rows each
+# (wgmma), so every warp holds whole rows: RoPE's pair split and the norm's row sums
+# stay in registers.  That needs BLOCK_M >= 16 x warps and D <= 128 (a D = 256
+# tile does not fit the registers at those rows).
+WS_HEAD_DIMS = (64, 128)
+WS_MIN_BLOCK_M = 16 * _config.PRODUCER_NUM_WARPS
 
 # ----------------------------------------------------------------------------- device code
 
@@ -104,90 +102,6 @@ def _qkv_mainloop(x_src, w_src, row0, w_row0, rows, HIDDEN: tl.constexpr, D: tl.
 
 
 @triton.jit
-def _maybe_rms_norm(p, weight_ptr, eps, HAS_WEIGHT: tl.constexpr, D: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    """``bf16(bf16(rmsnorm(p)) * w)`` as fp32 when the norm weight is given, else ``p``."""
-    if HAS_WEIGHT:
-        w = tl.load(weight_ptr + tl.arange(0, D)).to(tl.float32)
-        n = round_to_bf16(rms_normalize(p, eps, D), INTERPRET).to(tl.float32)
-        # Both factors are bf16 values, so the fp32 product is exact: rounding it
-        # once gives the bf16 product.
-        p = round_to_bf16(n * w[None, :], INTERPRET).to(tl.float32)
-    return p
-
-
-@triton.jit
-def _qkv_epilogue(acc, head, offs_m, row_ok, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr,
-                  cos_sin_stride, pos_ptr, eps, NUM_Q_HEADS: tl.constexpr,
-                  NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-                  HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    """The bf16 ``[BLOCK_M, D]`` output tile of projection head ``head`` (module docstring)."""
-    p = acc
-    if HAS_BIAS:
-        p += tl.load(bias_ptr + head * D + tl.arange(0, D)).to(tl.float32)[None, :]
-    if head < NUM_Q_HEADS + NUM_KV_HEADS:
-        if head < NUM_Q_HEADS:
-            y = _maybe_rms_norm(p, q_norm_ptr, eps, HAS_Q_NORM, D, INTERPRET)
-        else:
-            y = _maybe_rms_norm(p, k_norm_ptr, eps, HAS_K_NORM, D, INTERPRET)
-        if HAS_POSITIONS:
-            table_rows = tl.load(pos_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
-        else:
-            table_rows = offs_m
-        cos, sin = load_cos_sin(cos_sin_ptr, table_rows, cos_sin_stride, row_ok, D)
-        out = round_to_bf16(rope_rotate(y, cos, sin, BLOCK_M, D, ROPE_STYLE), INTERPRET)
-    else:
-        out = round_to_bf16(p, INTERPRET)
-    return out
-
-
-@triton.jit
-def _tile_coords(tile, row_blocks, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                 Q_PER_RANK: tl.constexpr, KV_PER_RANK: tl.constexpr,
-                 GROUP_HEADS: tl.constexpr):
-    """``(row_block, head)`` of persistent tile ``tile``.
-
-    Tiles come in groups of ``GROUP_HEADS`` head positions: row blocks in order
-    within a group, head positions fastest.  Positions list the kinds in Q, K, V
-    order and, within a kind, take the destination bands round-robin (band 0
-    head 0, band 1 head 0, ...) so that consecutive tiles go to different ranks.
-    """
-    TOTAL_HEADS: tl.constexpr = NUM_Q_HEADS + 2 * NUM_KV_HEADS
-    group_tiles = row_blocks * GROUP_HEADS
-    group = tile // group_tiles
-    first_pos = group * GROUP_HEADS
-    group_size = tl.minimum(TOTAL_HEADS - first_pos, GROUP_HEADS)
-    within = tile - group * group_tiles
-    pos = first_pos + within % group_size
-    is_q = pos < NUM_Q_HEADS
-    first = tl.where(is_q, 0, tl.where(pos < NUM_Q_HEADS + NUM_KV_HEADS, NUM_Q_HEADS,
-                                       NUM_Q_HEADS + NUM_KV_HEADS))
-    per_band = tl.where(is_q, Q_PER_RANK, KV_PER_RANK)
-    bands = tl.where(is_q, NUM_Q_HEADS // Q_PER_RANK, NUM_KV_HEADS // KV_PER_RANK)
-    j = pos - first
-    return within // group_size, first + (j % bands) * per_band + j // bands
-
-
-@triton.jit
-def _head_destinations(head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                       Q_PER_RANK: tl.constexpr, KV_PER_RANK: tl.constexpr,
-                       KV_REPLICAS: tl.constexpr):
-    """Where projection head ``head`` goes (``HeadPlan.destinations``).
-
-    Returns ``(kind, first_rank, replicas, local)``: ranks ``[first_rank,
-    first_rank + replicas)`` each receive it as their local head ``local`` of ``kind``.
-    """
-    kind = (head >= NUM_Q_HEADS).to(tl.int32) + (head >= NUM_Q_HEADS + NUM_KV_HEADS).to(tl.int32)
-    is_q = kind == 0
-    j = head - tl.where(is_q, 0, tl.where(kind == 1, NUM_Q_HEADS, NUM_Q_HEADS + NUM_KV_HEADS))
-    per_band = tl.where(is_q, Q_PER_RANK, KV_PER_RANK)
-    replicas = tl.where(is_q, 1, KV_REPLICAS)
-    return kind, (j // per_band) * replicas, replicas, j % per_band
-
-
-@triton.jit
 def _produce_tile(tile, entered, failed, epoch, row_blocks,
                   x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
                   dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
@@ -204,60 +118,20 @@ def _produce_tile(tile, entered, failed, epoch, row_blocks,
                   USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
     """Compute one tile and store it at every destination; returns the updated
     bit sets of ranks seen entered / given up on by this program."""
-    row_block, head = _tile_coords(tile, row_blocks, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK,
-                                   KV_PER_RANK, GROUP_HEADS)
+    row_block, head = tile_coords(tile, row_blocks, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK,
+                                  KV_PER_RANK, GROUP_HEADS)
     row0 = row_block * BLOCK_M
     acc = _qkv_mainloop(x_src, w_src, row0, head * D, rows, HIDDEN, D, BLOCK_M, BLOCK_K,
                         USE_TMA, INTERPRET)
-    offs_m = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
-    row_ok = offs_m < rows
-    out = _qkv_epilogue(acc, head, offs_m, row_ok, bias_ptr, q_norm_ptr, k_norm_ptr,
-                        cos_sin_ptr, cos_sin_stride, pos_ptr, eps, NUM_Q_HEADS, NUM_KV_HEADS,
-                        D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM, HAS_POSITIONS,
-                        ROPE_STYLE, INTERPRET)
-
-    kind, first_rank, replicas, local = _head_destinations(
-        head, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS)
-    is_q = kind == 0
-    is_k = kind == 1
-    # Element offsets at the destination (DestLayout): the same on every rank.
-    b = offs_m // seq_local
-    t = b * dest_seq_len + dest_seq_offset + (offs_m - b * seq_local)
-    row_off = (tl.where(is_q, region_q, tl.where(is_k, region_k, region_v))
-               + t * tl.where(is_q, token_stride_q, tl.where(is_k, token_stride_k,
-                                                             token_stride_v))
-               + local * tl.where(is_q, head_stride_q, tl.where(is_k, head_stride_k,
-                                                                head_stride_v)))
-    offs = row_off[:, None] + tl.arange(0, D)[None, :]
-    HEADS_PER_RANK: tl.constexpr = Q_PER_RANK + 2 * KV_PER_RANK
-    word_index = ((source_rank * max_row_blocks + row_block) * HEADS_PER_RANK + local
-                  + tl.where(is_q, 0, tl.where(is_k, Q_PER_RANK, Q_PER_RANK + KV_PER_RANK)))
-
-    for rep in range(KV_REPLICAS):
-        if rep < replicas:
-            rank = first_rank + rep
-            if SIGNAL:
-                bit = tl.full((), 1, tl.int64) << rank
-                if ((entered | failed) & bit) == 0:
-                    if spin_until_at_least(enter_ptr + rank, epoch, timeout_ns, INTERPRET):
-                        entered |= bit
-                    else:
-                        failed |= bit
-                        record_timeout(status_ptr, rank, _ENTER_TIMEOUT)
-                go = (entered & bit) != 0
-            else:
-                go = True
-            if go:
-                base = tl.load(dest_table_ptr + rank).to(tl.pointer_type(tl.bfloat16))
-                # A pointer made from an integer has no known alignment; the launcher
-                # checks offsets and strides are multiples of 8 elements and the
-                # addresses are 16-byte aligned, so every row is: 16-byte stores.
-                ptrs = tl.max_contiguous(tl.multiple_of(base + offs, [1, 16]), [1, D])
-                tl.store(ptrs, out, mask=row_ok[:, None])
-                if SIGNAL:
-                    words = tl.load(word_table_ptr + rank).to(tl.pointer_type(tl.int64))
-                    publish(words + word_index, epoch)
-    return entered, failed
+    return deliver_tile(
+        acc, row_block, head, row0 + tl.arange(0, BLOCK_M).to(tl.int64), tl.arange(0, D),
+        tl.arange(0, D // 2), entered, failed, epoch, bias_ptr, q_norm_ptr, k_norm_ptr,
+        cos_sin_ptr, pos_ptr, dest_table_ptr, enter_ptr, word_table_ptr, status_ptr, rows,
+        cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset, region_q, region_k,
+        region_v, token_stride_q, token_stride_k, token_stride_v, head_stride_q, head_stride_k,
+        head_stride_v, source_rank, max_row_blocks, timeout_ns, NUM_Q_HEADS, NUM_KV_HEADS,
+        Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
+        HAS_POSITIONS, ROPE_STYLE, SIGNAL, False, INTERPRET)
 
 
 @triton.jit
@@ -342,6 +216,32 @@ def _rope_code(rope_style: str | int) -> int:
     return rope_style_code(rope_style)
 
 
+def _nvmma_layout(rows: int, block_k: int) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([rows, block_k], gl.bfloat16)
+
+
+def _choose_mainloop(mainloop: str | None, x: torch.Tensor, qkv_weight: torch.Tensor, d: int,
+                     block_m: int, on_gpu: bool) -> str:
+    """The mainloop to launch: ``mainloop`` checked, or the default (see the launcher)."""
+    allowed = ["pointer"]
+    if _config.INTERPRET or (on_gpu and _config.tma_supported(x.device.index)):
+        allowed.append("tma")  # the interpreter emulates tensor descriptors
+    if (on_gpu and _config.wgmma_supported(x.device.index) and d in WS_HEAD_DIMS
+            and block_m >= WS_MIN_BLOCK_M):
+        allowed.append("warp_specialized")
+    if mainloop is None:
+        mainloop = next(m for m in _config.PRODUCER_MAINLOOPS if m in allowed)
+    elif mainloop not in allowed:
+        raise ValueError(f"qkv_norm_rope_produce: mainloop must be one of {allowed} here "
+                         f"(device {x.device}, head_dim {d}, block_m {block_m}), "
+                         f"got {mainloop!r}")
+    if mainloop != "pointer" and (x.data_ptr() % 16 or qkv_weight.data_ptr() % 16):
+        raise ValueError(f"qkv_norm_rope_produce: the {mainloop!r} mainloop needs 16-byte "
+                         "aligned x and qkv_weight (pass mainloop='pointer' for views at odd "
+                         "offsets)")
+    return mainloop
+
+
 def _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
                            positions, plan, dest, dest_table, seq_local, dest_seq_offset, eps,
                            signals, block_m) -> None:
@@ -417,7 +317,7 @@ def qkv_norm_rope_produce(
     signals: ProducerSignals | None = None,
     block_m: int | None = None,
     num_sms: int | None = None,
-    use_tma: bool | None = None,
+    mainloop: str | None = None,
     validate: bool = True,
 ) -> None:
     """Project, normalise and rotate this rank's tokens and store every head at its destinations.
@@ -461,9 +361,13 @@ def qkv_norm_rope_produce(
         :func:`signals.wait_ready` must use the same.
     num_sms : int or None
         Programs of the persistent grid; default the device's SM count.
-    use_tma : bool or None
-        Tensor-descriptor (TMA) mainloop; default ``_config.PRODUCER_USE_TMA`` on sm_90+
-        GPUs.  Needs 16-byte aligned ``x`` and ``qkv_weight``.
+    mainloop : str or None
+        The GEMM mainloop (``MAINLOOPS``): ``"pointer"`` (pointer loads; any target and
+        the CPU interpreter), ``"tma"`` (``tl.dot`` over tensor descriptors, sm_90+),
+        ``"warp_specialized"`` (``producer_ws``: a TMA loader warp feeding ``wgmma``
+        warpgroups, sm_90 only, ``D`` of 64 or 128, ``block_m`` >= 128).  Default: the first of
+        ``_config.PRODUCER_MAINLOOPS`` the device and shape allow.  Both TMA
+        mainloops need 16-byte aligned ``x`` and ``qkv_weight``.
     validate : bool
         Check every argument before launching (default).  The session passes False:
         it has checked the same tensors and built ``plan``, ``dest``, ``dest_table``
@@ -485,40 +389,47 @@ def qkv_norm_rope_produce(
     d = plan.head_dim
     block_k = _block_k(hidden)
     on_gpu = x.device.type == "cuda" and not _config.INTERPRET
-    if use_tma is None:
-        use_tma = _config.PRODUCER_USE_TMA and on_gpu and _config.tma_supported(x.device.index)
-    if use_tma and (x.data_ptr() % 16 or qkv_weight.data_ptr() % 16):
-        raise ValueError("qkv_norm_rope_produce: the TMA mainloop needs 16-byte aligned x and "
-                         "qkv_weight (pass use_tma=False for views at odd offsets)")
+    mainloop = _choose_mainloop(mainloop, x, qkv_weight, d, block_m, on_gpu)
     if num_sms is None:
         num_sms = _sm_count(x.device.index) if on_gpu else _config.PRODUCER_INTERPRET_PROGRAMS
     num_tiles = triton.cdiv(rows, block_m) * plan.total_heads
-    if use_tma:
-        x_src = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k])
-        w_src = TensorDescriptor(qkv_weight, list(qkv_weight.shape), list(qkv_weight.stride()),
-                                 [d, block_k])
-    else:
-        x_src, w_src = x, qkv_weight
     if signals is None:
         signal_args = (None, None, None, None, 0, 0, 0)
     else:
         signal_args = (signals.epoch, signals.enter, signals.word_table, signals.status,
                        signals.source_rank, signals.readiness.max_row_blocks, signals.timeout_ns)
     epoch, enter, word_table, status, source_rank, max_row_blocks, timeout_ns = signal_args
-    _qkv_produce_kernel[(min(num_tiles, num_sms),)](
-        x_src, w_src, qkv_bias, q_norm_weight, k_norm_weight, cos_sin, positions, dest_table,
-        epoch, enter, word_table, status,
-        rows, cos_sin.stride(0), eps, seq_local, dest.seq_len, dest_seq_offset,
-        *dest.region_offset, *dest.token_stride, *dest.head_stride,
-        source_rank, max_row_blocks, timeout_ns,
+    args = (qkv_bias, q_norm_weight, k_norm_weight, cos_sin, positions, dest_table,
+            epoch, enter, word_table, status,
+            rows, cos_sin.stride(0), eps, seq_local, dest.seq_len, dest_seq_offset,
+            *dest.region_offset, *dest.token_stride, *dest.head_stride,
+            source_rank, max_row_blocks, timeout_ns)
+    constants = dict(
         HIDDEN=hidden, NUM_Q_HEADS=plan.num_q_heads, NUM_KV_HEADS=plan.num_kv_heads,
         Q_PER_RANK=plan.q_per_rank, KV_PER_RANK=plan.kv_per_rank,
         KV_REPLICAS=plan.kv_replicas, D=d, BLOCK_M=block_m, BLOCK_K=block_k,
         GROUP_HEADS=min(_config.PRODUCER_GROUP_HEADS, plan.total_heads),
         HAS_BIAS=qkv_bias is not None, HAS_Q_NORM=q_norm_weight is not None,
         HAS_K_NORM=k_norm_weight is not None, HAS_POSITIONS=positions is not None,
-        ROPE_STYLE=_rope_code(rope_style), SIGNAL=signals is not None, USE_TMA=use_tma,
-        INTERPRET=_config.INTERPRET, num_warps=_config.PRODUCER_NUM_WARPS,
-        num_stages=_config.PRODUCER_NUM_STAGES,
-    )
-
+        ROPE_STYLE=_rope_code(rope_style), SIGNAL=signals is not None,
+        num_warps=_config.PRODUCER_NUM_WARPS)
+    grid = (min(num_tiles, num_sms),)
+    if mainloop == "warp_specialized":
+        x_desc = GluonTensorDescriptor.from_tensor(x, [block_m, block_k],
+                                                   _nvmma_layout(block_m, block_k))
+        w_desc = GluonTensorDescriptor.from_tensor(qkv_weight, [d, block_k],
+                                                   _nvmma_layout(d, block_k))
+        qkv_produce_ws_kernel[grid](x_desc, w_desc, *args, **constants,
+                                    STAGES=_config.PRODUCER_WS_STAGES,
+                                    LOADER_REGS=_config.PRODUCER_WS_LOADER_REGS)
+        return
+    use_tma = mainloop == "tma"
+    if use_tma:
+        x_src = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k])
+        w_src = TensorDescriptor(qkv_weight, list(qkv_weight.shape), list(qkv_weight.stride()),
+                                 [d, block_k])
+    else:
+        x_src, w_src = x, qkv_weight
+    _qkv_produce_kernel[grid](x_src, w_src, *args, **constants, USE_TMA=use_tma,
+                              INTERPRET=_config.INTERPRET,
+                              num_stages=_config.PRODUCER_NUM_STAGES)

@@ -87,7 +87,7 @@ def _qk_rope_fp8_append_kernel(
         cols = tl.arange(0, D)[None, :]
         if slot < HQ + HKV:
             x = tl.load(src, mask=tok_ok[:, None], other=0.0).to(tl.float32)
-            cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, tok_ok, D)
+            cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, tok_ok, tl.arange(0, D // 2), D)
             if slot < HQ:
                 y = qk_norm_rope(x, q_norm_ptr, cos, sin, eps, POLICY, BLOCK_M, D, STYLE)
                 if QUANT == _QUANT_DYNAMIC:

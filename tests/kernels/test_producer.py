@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from cake_sp.kernels import _config
-from cake_sp.kernels.producer import qkv_norm_rope_produce
+from cake_sp.kernels.producer import MAINLOOPS, WS_HEAD_DIMS, qkv_norm_rope_produce
 from cake_sp.kernels.signals import (
     STATUS_ENTER_TIMEOUT,
     STATUS_READY_TIMEOUT,
@@ -59,7 +59,7 @@ class Case:
     positions: torch.dtype | None = None
     block_m: int | None = None  # None: the launch default, _config.producer_block_m
     num_sms: int | None = None
-    use_tma: bool = False
+    mainloop: str | None = None  # None: the launch default
 
     @property
     def rows(self) -> int:
@@ -94,7 +94,7 @@ CASES = {
                               block_m=32),
     # The tensor-descriptor mainloop (TMA on a GPU; emulated by the interpreter).
     "w2-tma": Case(2, 4, 2, batch=2, seq_local=100, bias=True, positions=torch.int64,
-                   use_tma=True),
+                   mainloop="tma"),
 }
 
 
@@ -247,7 +247,7 @@ class VirtualRanks:
             src["cos_sin"], src["positions"], plan=c.plan, dest=self.dest(),
             dest_table=self.slot_table, seq_local=c.seq_local,
             dest_seq_offset=rank * c.seq_local, eps=EPS, rope_style=c.rope_style,
-            signals=signals, block_m=c.tile_rows, num_sms=c.num_sms, use_tma=c.use_tma)
+            signals=signals, block_m=c.tile_rows, num_sms=c.num_sms, mainloop=c.mainloop)
 
     def row_blocks(self) -> int:
         return -(-self.case.rows // self.case.tile_rows)
@@ -293,12 +293,10 @@ def _check_slots(vr: VirtualRanks, expected: list[dict[str, torch.Tensor]],
 # ----------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_exchange_matches_oracle(name, device, record_property):
+def _exchange_and_check(case: Case, device, record_property, seed: int) -> None:
     """barrier -> producer -> wait on W ranks: slots, readiness words, status, epochs."""
-    case = CASES[name]
     vr = VirtualRanks(case, max_tokens=case.rows + 24, device=device)
-    inputs = _make_inputs(case, device, seed=len(name))
+    inputs = _make_inputs(case, device, seed=seed)
     vr.call(inputs)
     _check_slots(vr, _oracle_destinations(case, inputs), record_property)
     per_source = vr.readiness.max_row_blocks * case.plan.heads_per_rank
@@ -309,6 +307,23 @@ def test_exchange_matches_oracle(name, device, record_property):
         words = vr.words[r].cpu().view(case.world, per_source)
         assert bool((words[:, :used] == 1).all()), f"rank {r}: readiness words not raised"
         assert bool((words[:, used:] == 0).all()), f"rank {r}: words past the call raised"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_exchange_matches_oracle(name, device, record_property):
+    _exchange_and_check(CASES[name], device, record_property, seed=len(name))
+
+
+# The cases whose head size the warp-specialised kernel takes, at its smallest tile.
+WS_CASES = [n for n, c in CASES.items() if c.head_dim in WS_HEAD_DIMS and c.mainloop is None]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", WS_CASES)
+def test_warp_specialized_mainloop_matches_oracle(name, device, record_property):
+    """The Gluon kernel on the small cases: tail row blocks, one K step, GQA replication."""
+    case = replace(CASES[name], mainloop="warp_specialized", block_m=128)
+    _exchange_and_check(case, device, record_property, seed=len(name) + 1)
 
 
 @pytest.mark.parametrize("name", ["w2-gqa-split-200", "w4-fused-nonorm", "w2-fused-200"])
@@ -428,8 +443,9 @@ def _valid_args(device: torch.device) -> tuple[list, dict]:
      "multiples of 8"),
     (lambda a, k: k.update(plan=HeadPlan(2, 2, 2, 32)), ValueError, "head_dim"),
     (lambda a, k: k.update(signals="on"), TypeError, "ProducerSignals"),
-    (lambda a, k: (a.__setitem__(0, _misaligned(a[0])), k.update(use_tma=True)), ValueError,
+    (lambda a, k: (a.__setitem__(0, _misaligned(a[0])), k.update(mainloop="tma")), ValueError,
      "16-byte aligned"),
+    (lambda a, k: k.update(mainloop="wgmma"), ValueError, "mainloop must be one of"),
 ])
 def test_rejects_bad_inputs(device, change, error, match):
     args, kwargs = _valid_args(device)
@@ -457,10 +473,10 @@ def test_rejects_readiness_of_another_block_m(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("world, hq, hkv", [(2, 32, 8), (4, 32, 8), (8, 32, 8), (8, 64, 4)])
 @pytest.mark.parametrize("batch, seq_local", [(1, 8192), (2, 1000)])
-@pytest.mark.parametrize("use_tma", [False, True])
-def test_real_shapes(world, hq, hkv, batch, seq_local, use_tma, device, record_property):
+@pytest.mark.parametrize("mainloop", MAINLOOPS)
+def test_real_shapes(world, hq, hkv, batch, seq_local, mainloop, device, record_property):
     case = Case(world, hq, hkv, hidden=4096, batch=batch, seq_local=seq_local, bias=True,
-                positions=torch.int32, rope_style="neox", use_tma=use_tma)
+                positions=torch.int32, rope_style="neox", mainloop=mainloop)
     vr = VirtualRanks(case, max_tokens=case.rows, device=device)
     inputs = _make_inputs(case, device, seed=world)
     vr.call(inputs)
