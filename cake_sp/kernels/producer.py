@@ -27,10 +27,13 @@ The grid is persistent: ``min(tiles, SMs)`` programs walk the tiles in groups
 of ``GROUP_HEADS`` heads (the weights of a group stay in L2 while the row blocks
 stream past); inside a group consecutive tiles are different heads, ordered so
 that consecutive heads go to different ranks and every link is busy from the
-first wave.  The GEMM mainloop is its own function returning the fp32
-accumulator, with a pointer variant (any target, the CPU interpreter) and a
-TMA variant (host-built tensor descriptors, sm_90+), so a warp-specialised
-mainloop can replace it without touching the epilogue.
+first wave (``producer_epilogue.tile_coords``).  Three mainloops compute a
+tile's fp32 accumulator (``mainloop=``, ``MAINLOOPS``): ``tl.dot`` over pointer
+loads (any target, the CPU interpreter) or over host-built tensor descriptors
+(TMA, sm_90+), both in this module's kernel, and a warp-specialised Gluon kernel
+(``producer_ws.py``, sm_90).  All three finish the tile with
+``producer_epilogue.deliver_tile``.  The warp-specialised kernel is correct on an
+H200 but not yet faster (docs/results.md), so the default stays TMA.
 """
 
 from __future__ import annotations
