@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.experimental.gluon import language as gl
+
+try:
+    from triton.experimental.gluon import language as gl
+except ImportError:  # a Triton without Gluon: no kernel passes GLUON=True then
+    gl = None
 
 ROPE_STYLES: dict[str, int] = {"interleaved": 0, "neox": 1}
 ROPE_INTERLEAVED: tl.constexpr = tl.constexpr(0)

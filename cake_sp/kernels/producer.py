@@ -43,17 +43,22 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cake_sp._validation import check_tensor
 from cake_sp.kernels import _config
 from cake_sp.kernels.norm_rope import ROPE_STYLES, rope_style_code
 from cake_sp.kernels.producer_epilogue import deliver_tile, tile_coords
-from cake_sp.kernels.producer_ws import qkv_produce_ws_kernel
 from cake_sp.kernels.signals import ProducerSignals
 from cake_sp.session.plan import DestLayout, HeadPlan
+
+try:  # Gluon's Hopper API as of Triton 3.6; without it the warp-specialised mainloop is off
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    from cake_sp.kernels.producer_ws import qkv_produce_ws_kernel
+except ImportError:
+    qkv_produce_ws_kernel = None
 
 HEAD_DIMS = (64, 128, 256)
 MAINLOOPS = ("pointer", "tma", "warp_specialized")
@@ -219,7 +224,7 @@ def _rope_code(rope_style: str | int) -> int:
     return rope_style_code(rope_style)
 
 
-def _nvmma_layout(rows: int, block_k: int) -> gl.NVMMASharedLayout:
+def _nvmma_layout(rows: int, block_k: int):
     return gl.NVMMASharedLayout.get_default_for([rows, block_k], gl.bfloat16)
 
 
@@ -229,8 +234,8 @@ def _choose_mainloop(mainloop: str | None, x: torch.Tensor, qkv_weight: torch.Te
     allowed = ["pointer"]
     if _config.INTERPRET or (on_gpu and _config.tma_supported(x.device.index)):
         allowed.append("tma")  # the interpreter emulates tensor descriptors
-    if (on_gpu and _config.wgmma_supported(x.device.index) and d in WS_HEAD_DIMS
-            and block_m >= WS_MIN_BLOCK_M):
+    if (qkv_produce_ws_kernel is not None and on_gpu and _config.wgmma_supported(x.device.index)
+            and d in WS_HEAD_DIMS and block_m >= WS_MIN_BLOCK_M):
         allowed.append("warp_specialized")
     if mainloop is None:
         mainloop = next(m for m in _config.PRODUCER_MAINLOOPS if m in allowed)
