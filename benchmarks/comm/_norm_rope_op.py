@@ -49,7 +49,7 @@ def _norm_rope_kernel(p_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, cos_sin_stride
     n = round_to_bf16(rms_normalize(x, eps, D), INTERPRET).to(tl.float32)
     # Both factors are bf16 values: the fp32 product is exact, one rounding makes it bf16.
     y = round_to_bf16(n * w[None, :], INTERPRET).to(tl.float32)
-    cos, sin = load_cos_sin(cos_sin_ptr, offs_m, cos_sin_stride, row_ok, D)
+    cos, sin = load_cos_sin(cos_sin_ptr, offs_m, cos_sin_stride, row_ok, tl.arange(0, D // 2), D)
     out = round_to_bf16(rope_rotate(y, cos, sin, BLOCK_M, D, STYLE), INTERPRET)
     tl.store(ptrs, out, mask=row_ok[:, None])
 
