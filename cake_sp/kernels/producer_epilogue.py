@@ -151,6 +151,7 @@ def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed,
         if rep < replicas:
             rank = first_rank + rep
             if SIGNAL:
+                # An int64 scalar 1 built from ``entered``: ``tl.full`` needs a layout in Gluon.
                 bit = (entered * 0 + 1) << rank
                 if ((entered | failed) & bit) == 0:
                     if spin_until_at_least(enter_ptr + rank, epoch, timeout_ns, INTERPRET):
