@@ -53,7 +53,8 @@ def assert_close_counting_flips(got: Tensor, want: Tensor, *, rope_style: str | 
     front end that also rounds the projection to bf16 has 3 and more error);
     ``max_flip_fraction``: how rare the explained flips must be.
     """
-    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    # On the tensors' own device: a full-size benchmark check is ~10^9 elements, minutes on a CPU.
+    got, want = got.detach().float(), want.detach().float().to(got.device)
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     err = (got - want).abs()
     beyond = err > BF16_TOL["atol"] + BF16_TOL["rtol"] * want.abs()
