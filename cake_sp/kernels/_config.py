@@ -58,10 +58,14 @@ PRODUCER_INTERPRET_PROGRAMS: int = 2
 # Mainloops in order of preference; the launcher takes the first the device and the
 # head size allow (producer.MAINLOOPS says what each needs).
 PRODUCER_MAINLOOPS: tuple[str, ...] = ("tma", "pointer")
-# The warp-specialised mainloop: ring slots of a 256 x 64 + 128 x 64 bf16 block pair
-# (4 x 48 KiB), and the registers of its one-warp TMA loader (the freed registers
-# go to the two wgmma warpgroups).
+# The warp-specialised kernel (producer_ws.py): 128-row tiles (one wgmma warpgroup's
+# accumulator); ring slots of a 128 x 64 + D x 64 bf16 block pair (4 x 32 KiB at
+# D = 128, beside the 64 KiB fp32 accumulator tile); registers of its MMA warpgroup
+# and its one-warp TMA loader, whatever is left going to the epilogue warps.  168
+# leaves the epilogue 152, the least at which neither spills (sm_90a compile, ptxas).
+PRODUCER_WS_BLOCK_M: int = 128
 PRODUCER_WS_STAGES: int = 4
+PRODUCER_WS_MMA_REGS: int = 168
 PRODUCER_WS_LOADER_REGS: int = 40
 
 # -- paged KV-cache append (qk_rope_append.py, qk_rope_fp8_append.py) --
@@ -86,8 +90,10 @@ def append_block_m(num_tokens: int, head_dim: int) -> int:
     return block
 
 
-def producer_block_m(head_dim: int) -> int:
-    """Rows per producer tile (one head of ``head_dim`` columns).
+def producer_block_m(head_dim: int, mainloop: str | None = None) -> int:
+    """Rows per producer tile (one head of ``head_dim`` columns) for ``mainloop``.
+
+    The warp-specialised mainloop takes ``PRODUCER_WS_BLOCK_M``.  The others:
 
     256 rows with ``D <= 128``: a 256 x 128 tile reads 25 % fewer operand bytes
     per FLOP than a 128 x 128 one; with four stages it took the producer on an
@@ -95,6 +101,8 @@ def producer_block_m(head_dim: int) -> int:
     64 rows, the largest tile whose epilogue does not spill.  The CPU
     interpreter takes 128, so small tests stay one tile and fast.
     """
+    if mainloop == "warp_specialized":
+        return PRODUCER_WS_BLOCK_M
     if INTERPRET:
         return 128
     return 64 if head_dim > 128 else 256

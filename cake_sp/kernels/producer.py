@@ -62,12 +62,9 @@ except ImportError:
 
 HEAD_DIMS = (64, 128, 256)
 MAINLOOPS = ("pointer", "tma", "warp_specialized")
-# The warp-specialised kernel stacks its warps along the tile's rows, 16 rows each
-# (wgmma), so every warp holds whole rows: RoPE's pair split and the norm's row sums
-# stay in registers.  That needs BLOCK_M >= 16 x warps and D <= 128 (a D = 256
-# tile does not fit the registers at those rows).
+# The warp-specialised kernel's epilogue holds a whole 128-row tile in 8 warps'
+# registers; D = 256 would not fit them.
 WS_HEAD_DIMS = (64, 128)
-WS_MIN_BLOCK_M = 16 * _config.PRODUCER_NUM_WARPS
 
 # ----------------------------------------------------------------------------- device code
 
@@ -235,7 +232,7 @@ def _choose_mainloop(mainloop: str | None, x: torch.Tensor, qkv_weight: torch.Te
     if _config.INTERPRET or (on_gpu and _config.tma_supported(x.device.index)):
         allowed.append("tma")  # the interpreter emulates tensor descriptors
     if (qkv_produce_ws_kernel is not None and on_gpu and _config.wgmma_supported(x.device.index)
-            and d in WS_HEAD_DIMS and block_m >= WS_MIN_BLOCK_M):
+            and d in WS_HEAD_DIMS and block_m == _config.PRODUCER_WS_BLOCK_M):
         allowed.append("warp_specialized")
     if mainloop is None:
         mainloop = next(m for m in _config.PRODUCER_MAINLOOPS if m in allowed)
@@ -365,15 +362,15 @@ def qkv_norm_rope_produce(
     signals : ProducerSignals or None
         NVLink protocol state; None stores only (no wait, no readiness words).
     block_m : int or None
-        Rows per tile, default ``_config.producer_block_m(D)``; the readiness layout and
+        Rows per tile, default ``_config.producer_block_m(D, mainloop)``; the readiness layout and
         :func:`signals.wait_ready` must use the same.
     num_sms : int or None
         Programs of the persistent grid; default the device's SM count.
     mainloop : str or None
         The GEMM mainloop (``MAINLOOPS``): ``"pointer"`` (pointer loads; any target and
         the CPU interpreter), ``"tma"`` (``tl.dot`` over tensor descriptors, sm_90+),
-        ``"warp_specialized"`` (``producer_ws``: a TMA loader warp feeding ``wgmma``
-        warpgroups, sm_90 only, ``D`` of 64 or 128, ``block_m`` >= 128).  Default: the first of
+        ``"warp_specialized"`` (``producer_ws``: a TMA loader warp, a ``wgmma`` warpgroup and
+        epilogue warps, sm_90 only, ``D`` of 64 or 128, ``block_m`` 128).  Default: the first of
         ``_config.PRODUCER_MAINLOOPS`` the device and shape allow.  Both TMA
         mainloops need 16-byte aligned ``x`` and ``qkv_weight``.
     validate : bool
@@ -388,7 +385,7 @@ def qkv_norm_rope_produce(
     if isinstance(positions, torch.Tensor) and positions.is_contiguous():
         positions = positions.view(-1)
     if block_m is None and isinstance(plan, HeadPlan):
-        block_m = _config.producer_block_m(plan.head_dim)
+        block_m = _config.producer_block_m(plan.head_dim, mainloop)
     if validate:
         _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
                                positions, plan, dest, dest_table, seq_local, dest_seq_offset,
@@ -415,7 +412,7 @@ def qkv_norm_rope_produce(
     constants = dict(
         HIDDEN=hidden, NUM_Q_HEADS=plan.num_q_heads, NUM_KV_HEADS=plan.num_kv_heads,
         Q_PER_RANK=plan.q_per_rank, KV_PER_RANK=plan.kv_per_rank,
-        KV_REPLICAS=plan.kv_replicas, D=d, BLOCK_M=block_m, BLOCK_K=block_k,
+        KV_REPLICAS=plan.kv_replicas, D=d, BLOCK_K=block_k,
         GROUP_HEADS=min(_config.PRODUCER_GROUP_HEADS, plan.total_heads),
         HAS_BIAS=qkv_bias is not None, HAS_Q_NORM=q_norm_weight is not None,
         HAS_K_NORM=k_norm_weight is not None, HAS_POSITIONS=positions is not None,
@@ -429,6 +426,7 @@ def qkv_norm_rope_produce(
                                                    _nvmma_layout(d, block_k))
         qkv_produce_ws_kernel[grid](x_desc, w_desc, *args, **constants,
                                     STAGES=_config.PRODUCER_WS_STAGES,
+                                    MMA_REGS=_config.PRODUCER_WS_MMA_REGS,
                                     LOADER_REGS=_config.PRODUCER_WS_LOADER_REGS)
         return
     use_tma = mainloop == "tma"
@@ -438,6 +436,6 @@ def qkv_norm_rope_produce(
                                  [d, block_k])
     else:
         x_src, w_src = x, qkv_weight
-    _qkv_produce_kernel[grid](x_src, w_src, *args, **constants, USE_TMA=use_tma,
-                              INTERPRET=_config.INTERPRET,
+    _qkv_produce_kernel[grid](x_src, w_src, *args, **constants, BLOCK_M=block_m,
+                              USE_TMA=use_tma, INTERPRET=_config.INTERPRET,
                               num_stages=_config.PRODUCER_NUM_STAGES)
