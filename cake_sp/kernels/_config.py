@@ -65,6 +65,7 @@ PRODUCER_MAINLOOPS: tuple[str, ...] = ("tma", "pointer")
 # leaves the epilogue 152, the least at which neither spills (sm_90a compile, ptxas).
 PRODUCER_WS_BLOCK_M: int = 128
 PRODUCER_WS_STAGES: int = 4
+PRODUCER_WS_MMA_WARPS: int = 4
 PRODUCER_WS_MMA_REGS: int = 168
 PRODUCER_WS_LOADER_REGS: int = 40
 

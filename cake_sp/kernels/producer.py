@@ -426,6 +426,7 @@ def qkv_norm_rope_produce(
                                                    _nvmma_layout(d, block_k))
         qkv_produce_ws_kernel[grid](x_desc, w_desc, *args, **constants,
                                     STAGES=_config.PRODUCER_WS_STAGES,
+                                    MMA_WARPS=_config.PRODUCER_WS_MMA_WARPS,
                                     MMA_REGS=_config.PRODUCER_WS_MMA_REGS,
                                     LOADER_REGS=_config.PRODUCER_WS_LOADER_REGS)
         return

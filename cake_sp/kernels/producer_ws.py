@@ -39,12 +39,11 @@ from cake_sp.kernels import _config
 from cake_sp.kernels.producer_epilogue import deliver_tile, tile_coords
 
 BLOCK_M = gl.constexpr(_config.PRODUCER_WS_BLOCK_M)
-MMA_WARPS = gl.constexpr(4)  # one warpgroup
 
 
 @gluon.constexpr_function
 def _mma_layout(d, warps):
-    """wgmma accumulator layout of a ``[BLOCK_M, d]`` tile over ``warps`` (one warpgroup)."""
+    """wgmma accumulator layout of a ``[BLOCK_M, d]`` tile over ``warps`` (16 rows each)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                      instr_shape=[16, d, 16])
 
@@ -88,7 +87,7 @@ def _load_tiles(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_tiles, row_blo
 def _mma_tiles(a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_empty, num_tiles,
                K_STEPS: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """MMA partition: wgmma over the ring; each finished accumulator into ``acc_smem``."""
-    layout: gl.constexpr = _mma_layout(D, MMA_WARPS)
+    layout: gl.constexpr = _mma_layout(D, gl.num_warps())
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     acc = gl.zeros((BLOCK_M, D), gl.float32, layout)
@@ -176,8 +175,8 @@ def qkv_produce_ws_kernel(x_desc, w_desc, bias_ptr, q_norm_ptr, k_norm_ptr, cos_
                           GROUP_HEADS: gl.constexpr, HAS_BIAS: gl.constexpr,
                           HAS_Q_NORM: gl.constexpr, HAS_K_NORM: gl.constexpr,
                           HAS_POSITIONS: gl.constexpr, ROPE_STYLE: gl.constexpr,
-                          SIGNAL: gl.constexpr, STAGES: gl.constexpr, MMA_REGS: gl.constexpr,
-                          LOADER_REGS: gl.constexpr):
+                          SIGNAL: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
+                          MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """``producer._qkv_produce_kernel`` with ``x_desc``/``w_desc`` Gluon tensor descriptors of
     ``[BLOCK_M, BLOCK_K]`` / ``[D, BLOCK_K]`` blocks (NVMMA shared layouts)."""
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
