@@ -63,11 +63,15 @@ PRODUCER_MAINLOOPS: tuple[str, ...] = ("tma", "pointer")
 # D = 128, beside the 64 KiB fp32 accumulator tile); registers of its MMA warpgroup
 # and its one-warp TMA loader, whatever is left going to the epilogue warps.  168
 # leaves the epilogue 152, the least at which neither spills (sm_90a compile, ptxas).
+# On an H200 (sweep 7 of docs/results/producer_and_fmha_sweeps_h200.md) 8 heads per
+# tile group took 1-11 % less time than 16 on all 8 rows; 5 stages, 3 stages and
+# two MMA warpgroups (64 rows each) took more.
 PRODUCER_WS_BLOCK_M: int = 128
 PRODUCER_WS_STAGES: int = 4
 PRODUCER_WS_MMA_WARPS: int = 4
 PRODUCER_WS_MMA_REGS: int = 168
 PRODUCER_WS_LOADER_REGS: int = 40
+PRODUCER_WS_GROUP_HEADS: int = 8
 
 # -- paged KV-cache append (qk_rope_append.py, qk_rope_fp8_append.py) --
 # Every program scans q_indptr itself; a chunk of 128 int32 keeps that scan to

@@ -32,8 +32,9 @@ tile's fp32 accumulator (``mainloop=``, ``MAINLOOPS``): ``tl.dot`` over pointer
 loads (any target, the CPU interpreter) or over host-built tensor descriptors
 (TMA, sm_90+), both in this module's kernel, and a warp-specialised Gluon kernel
 (``producer_ws.py``, sm_90).  All three finish the tile with
-``producer_epilogue.deliver_tile``.  The warp-specialised kernel is correct on an
-H200 but not yet faster (docs/results.md), so the default stays TMA.
+``producer_epilogue.deliver_tile``.  On an H200 the warp-specialised kernel is
+correct and about even with TMA, within the spread between runs
+(docs/results.md), so the default stays TMA.
 """
 
 from __future__ import annotations
@@ -413,7 +414,6 @@ def qkv_norm_rope_produce(
         HIDDEN=hidden, NUM_Q_HEADS=plan.num_q_heads, NUM_KV_HEADS=plan.num_kv_heads,
         Q_PER_RANK=plan.q_per_rank, KV_PER_RANK=plan.kv_per_rank,
         KV_REPLICAS=plan.kv_replicas, D=d, BLOCK_K=block_k,
-        GROUP_HEADS=min(_config.PRODUCER_GROUP_HEADS, plan.total_heads),
         HAS_BIAS=qkv_bias is not None, HAS_Q_NORM=q_norm_weight is not None,
         HAS_K_NORM=k_norm_weight is not None, HAS_POSITIONS=positions is not None,
         ROPE_STYLE=_rope_code(rope_style), SIGNAL=signals is not None,
@@ -425,6 +425,8 @@ def qkv_norm_rope_produce(
         w_desc = GluonTensorDescriptor.from_tensor(qkv_weight, [d, block_k],
                                                    _nvmma_layout(d, block_k))
         qkv_produce_ws_kernel[grid](x_desc, w_desc, *args, **constants,
+                                    GROUP_HEADS=min(_config.PRODUCER_WS_GROUP_HEADS,
+                                                    plan.total_heads),
                                     STAGES=_config.PRODUCER_WS_STAGES,
                                     MMA_WARPS=_config.PRODUCER_WS_MMA_WARPS,
                                     MMA_REGS=_config.PRODUCER_WS_MMA_REGS,
@@ -438,5 +440,6 @@ def qkv_norm_rope_produce(
     else:
         x_src, w_src = x, qkv_weight
     _qkv_produce_kernel[grid](x_src, w_src, *args, **constants, BLOCK_M=block_m,
+                              GROUP_HEADS=min(_config.PRODUCER_GROUP_HEADS, plan.total_heads),
                               USE_TMA=use_tma, INTERPRET=_config.INTERPRET,
                               num_stages=_config.PRODUCER_NUM_STAGES)
