@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from cake_sp.kernels.producer import qkv_norm_rope_produce
 from cake_sp.session.plan import DestLayout, HeadPlan
+from cake_sp.session.positions import BadPositionsCounter
 from cake_sp.session.slots import CallInputs, SlotRing, deliver
 
 
@@ -43,6 +44,7 @@ class NcclExchange:
         world = plan.world_size
         self.slots = SlotRing.local(plan, layout=layout, max_tokens=max_tokens,
                                     num_slots=num_slots, device=device)
+        self._bad_positions = BadPositionsCounter(device)
         per_rank = DestLayout.buffer_elements(plan, max_tokens)
         if world > 1:
             self._send = torch.empty(world * per_rank, dtype=torch.bfloat16, device=device)
@@ -52,6 +54,7 @@ class NcclExchange:
 
     def run(self, call: CallInputs, out: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """Project, normalise, rotate and exchange; return the output views (or ``out``)."""
+        self.check()
         plan, world = self._plan, self._plan.world_size
         if world == 1:
             slot = self.slots.advance()
@@ -84,7 +87,12 @@ class NcclExchange:
             call.x2d, call.qkv_weight, call.qkv_bias, call.q_norm_weight, call.k_norm_weight,
             call.rope_cos_sin, call.positions, plan=self._plan, dest=dest, dest_table=table,
             seq_local=call.seq_local, dest_seq_offset=0, eps=self._eps,
-            rope_style=self._rope_style, validate=False)
+            rope_style=self._rope_style, bad_positions=self._bad_positions.count,
+            validate=False)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` if an earlier call had positions outside the RoPE table."""
+        self._bad_positions.check()
 
     def close(self) -> None:
         """Nothing collective to release: the buffers are ordinary device memory."""

@@ -50,7 +50,7 @@ from cake_sp._validation import check_tensor
 from cake_sp.kernels import _config
 from cake_sp.kernels.norm_rope import ROPE_STYLES, rope_style_code
 from cake_sp.kernels.producer_epilogue import deliver_tile, tile_coords
-from cake_sp.kernels.signals import ProducerSignals
+from cake_sp.kernels.signals import ProducerSignals, _check_int64_vector
 from cake_sp.session.plan import DestLayout, HeadPlan
 
 try:  # Gluon's Hopper API as of Triton 3.6; without it the warp-specialised mainloop is off
@@ -109,9 +109,9 @@ def _qkv_mainloop(x_src, w_src, row0, w_row0, rows, HIDDEN: tl.constexpr, D: tl.
 
 @triton.jit
 def _produce_tile(tile, entered, failed, epoch, row_blocks,
-                  x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
+                  x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
                   dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
-                  rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
+                  rows, cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len, dest_seq_offset,
                   region_q, region_k, region_v, token_stride_q, token_stride_k, token_stride_v,
                   head_stride_q, head_stride_k, head_stride_v,
                   source_rank, max_row_blocks, timeout_ns,
@@ -131,20 +131,20 @@ def _produce_tile(tile, entered, failed, epoch, row_blocks,
                         USE_TMA, INTERPRET)
     return deliver_tile(
         acc, row_block, head, row0 + tl.arange(0, BLOCK_M).to(tl.int64), tl.arange(0, D),
-        tl.arange(0, D // 2), entered, failed, epoch, bias_ptr, q_norm_ptr, k_norm_ptr,
-        cos_sin_ptr, pos_ptr, dest_table_ptr, enter_ptr, word_table_ptr, status_ptr, rows,
-        cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset, region_q, region_k,
-        region_v, token_stride_q, token_stride_k, token_stride_v, head_stride_q, head_stride_k,
-        head_stride_v, source_rank, max_row_blocks, timeout_ns, NUM_Q_HEADS, NUM_KV_HEADS,
-        Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
-        HAS_POSITIONS, ROPE_STYLE, SIGNAL, False, INTERPRET)
+        tl.arange(0, D // 2), entered, failed, epoch, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr,
+        pos_ptr, bad_pos_ptr, dest_table_ptr, enter_ptr, word_table_ptr, status_ptr, rows,
+        cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len, dest_seq_offset, region_q,
+        region_k, region_v, token_stride_q, token_stride_k, token_stride_v, head_stride_q,
+        head_stride_k, head_stride_v, source_rank, max_row_blocks, timeout_ns, NUM_Q_HEADS,
+        NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM,
+        HAS_K_NORM, HAS_POSITIONS, ROPE_STYLE, SIGNAL, False, INTERPRET)
 
 
 @triton.jit
 def _qkv_produce_kernel(x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
-                        dest_table_ptr, epoch_ptr, enter_ptr, word_table_ptr, status_ptr,
-                        rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
-                        region_q, region_k, region_v,
+                        bad_pos_ptr, dest_table_ptr, epoch_ptr, enter_ptr, word_table_ptr,
+                        status_ptr, rows, cos_sin_stride, cos_sin_rows, eps, seq_local,
+                        dest_seq_len, dest_seq_offset, region_q, region_k, region_v,
                         token_stride_q, token_stride_k, token_stride_v,
                         head_stride_q, head_stride_k, head_stride_v,
                         source_rank, max_row_blocks, timeout_ns,
@@ -171,9 +171,9 @@ def _qkv_produce_kernel(x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
         while tile < num_tiles:
             entered, failed = _produce_tile(
                 tile, entered, failed, epoch, row_blocks,
-                x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
+                x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
                 dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
-                rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
+                rows, cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len, dest_seq_offset,
                 region_q, region_k, region_v, token_stride_q, token_stride_k, token_stride_v,
                 head_stride_q, head_stride_k, head_stride_v, source_rank, max_row_blocks,
                 timeout_ns, HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK,
@@ -190,9 +190,9 @@ def _qkv_produce_kernel(x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=1):
             entered, failed = _produce_tile(
                 tile, entered, failed, epoch, row_blocks,
-                x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
+                x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
                 dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
-                rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
+                rows, cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len, dest_seq_offset,
                 region_q, region_k, region_v, token_stride_q, token_stride_k, token_stride_v,
                 head_stride_q, head_stride_k, head_stride_v, source_rank, max_row_blocks,
                 timeout_ns, HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK,
@@ -250,7 +250,7 @@ def _choose_mainloop(mainloop: str | None, x: torch.Tensor, qkv_weight: torch.Te
 
 def _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
                            positions, plan, dest, dest_table, seq_local, dest_seq_offset, eps,
-                           signals, block_m) -> None:
+                           signals, bad_positions, block_m) -> None:
     if not isinstance(plan, HeadPlan) or not isinstance(dest, DestLayout):
         raise TypeError("qkv_norm_rope_produce: plan must be a HeadPlan and dest a DestLayout, "
                         f"got {type(plan).__name__} and {type(dest).__name__}")
@@ -297,6 +297,8 @@ def _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight
                          f"got {block_m}")
     if not eps > 0:
         raise ValueError(f"qkv_norm_rope_produce: eps must be > 0, got {eps}")
+    if bad_positions is not None:
+        _check_int64_vector("qkv_norm_rope_produce: bad_positions", bad_positions, 1, device)
     if signals is not None:
         if not isinstance(signals, ProducerSignals):
             raise TypeError("qkv_norm_rope_produce: signals must be a ProducerSignals or None, "
@@ -321,6 +323,7 @@ def qkv_norm_rope_produce(
     eps: float,
     rope_style: str | int,
     signals: ProducerSignals | None = None,
+    bad_positions: torch.Tensor | None = None,
     block_m: int | None = None,
     num_sms: int | None = None,
     mainloop: str | None = None,
@@ -362,6 +365,11 @@ def qkv_norm_rope_produce(
         ``"interleaved"`` or ``"neox"``, or its code in ``norm_rope.ROPE_STYLES``.
     signals : ProducerSignals or None
         NVLink protocol state; None stores only (no wait, no readiness words).
+    bad_positions : Tensor or None
+        int64 ``[>= 1]``, device or pinned host memory: with ``positions``, each row of a
+        Q or K tile whose position lies outside ``cos_sin``'s rows adds 1 to
+        ``bad_positions[0]`` (the session reads it later without waiting for the GPU).
+        Such a row reads nothing outside ``cos_sin`` and rotates by cos = sin = 0.
     block_m : int or None
         Rows per tile, default ``_config.producer_block_m(D, mainloop)``; the readiness layout and
         :func:`signals.wait_ready` must use the same.
@@ -390,7 +398,7 @@ def qkv_norm_rope_produce(
     if validate:
         _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
                                positions, plan, dest, dest_table, seq_local, dest_seq_offset,
-                               eps, signals, block_m)
+                               eps, signals, bad_positions, block_m)
     rows, hidden = x.shape
     d = plan.head_dim
     block_k = _block_k(hidden)
@@ -405,9 +413,10 @@ def qkv_norm_rope_produce(
         signal_args = (signals.epoch, signals.enter, signals.word_table, signals.status,
                        signals.source_rank, signals.readiness.max_row_blocks, signals.timeout_ns)
     epoch, enter, word_table, status, source_rank, max_row_blocks, timeout_ns = signal_args
-    args = (qkv_bias, q_norm_weight, k_norm_weight, cos_sin, positions, dest_table,
-            epoch, enter, word_table, status,
-            rows, cos_sin.stride(0), eps, seq_local, dest.seq_len, dest_seq_offset,
+    args = (qkv_bias, q_norm_weight, k_norm_weight, cos_sin, positions, bad_positions,
+            dest_table, epoch, enter, word_table, status,
+            rows, cos_sin.stride(0), cos_sin.shape[0], eps, seq_local, dest.seq_len,
+            dest_seq_offset,
             *dest.region_offset, *dest.token_stride, *dest.head_stride,
             source_rank, max_row_blocks, timeout_ns)
     constants = dict(

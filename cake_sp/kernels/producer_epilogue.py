@@ -81,7 +81,8 @@ def _maybe_rms_norm(p, weight_ptr, cols, eps, HAS_WEIGHT: tl.constexpr, D: tl.co
 
 @triton.jit
 def _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, bias_ptr, q_norm_ptr, k_norm_ptr,
-                  cos_sin_ptr, cos_sin_stride, pos_ptr, eps, NUM_Q_HEADS: tl.constexpr,
+                  cos_sin_ptr, cos_sin_stride, cos_sin_rows, pos_ptr, bad_pos_ptr, eps,
+                  NUM_Q_HEADS: tl.constexpr,
                   NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
                   HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr, GLUON: tl.constexpr,
@@ -97,9 +98,20 @@ def _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, bias_ptr, q_norm_p
             y = _maybe_rms_norm(p, k_norm_ptr, cols, eps, HAS_K_NORM, D, INTERPRET)
         if HAS_POSITIONS:
             table_rows = tl.load(pos_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
+            in_table = (table_rows >= 0) & (table_rows < cos_sin_rows)
+            # Checked here rather than on the host, which would have to wait for the GPU:
+            # a row outside the table reads nothing (its cos and sin are 0) and is counted.
+            if bad_pos_ptr is not None:
+                # One predicated atomic per row, issued only for rows out of the table (the
+                # operands are vectors in offs_m's layout: Gluon does not broadcast scalars).
+                zero = offs_m * 0
+                tl.atomic_add(bad_pos_ptr + zero, zero + 1, mask=row_ok & ~in_table,
+                              sem="relaxed", scope="sys")
+            table_ok = row_ok & in_table
         else:
             table_rows = offs_m
-        cos, sin = load_cos_sin(cos_sin_ptr, table_rows, cos_sin_stride, row_ok, half_cols, D)
+            table_ok = row_ok
+        cos, sin = load_cos_sin(cos_sin_ptr, table_rows, cos_sin_stride, table_ok, half_cols, D)
         out = round_to_bf16(rope_rotate(y, cos, sin, BLOCK_M, D, ROPE_STYLE, GLUON), INTERPRET)
     else:
         out = round_to_bf16(p, INTERPRET)
@@ -108,9 +120,9 @@ def _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, bias_ptr, q_norm_p
 
 @triton.jit
 def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed, epoch,
-                 bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
+                 bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
                  dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
-                 rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
+                 rows, cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len, dest_seq_offset,
                  region_q, region_k, region_v, token_stride_q, token_stride_k, token_stride_v,
                  head_stride_q, head_stride_k, head_stride_v,
                  source_rank, max_row_blocks, timeout_ns,
@@ -126,7 +138,8 @@ def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed,
     ``arange(D)``/``arange(D/2)`` in layouts matching ``acc``)."""
     row_ok = offs_m < rows
     out = _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, bias_ptr, q_norm_ptr,
-                        k_norm_ptr, cos_sin_ptr, cos_sin_stride, pos_ptr, eps, NUM_Q_HEADS,
+                        k_norm_ptr, cos_sin_ptr, cos_sin_stride, cos_sin_rows, pos_ptr,
+                        bad_pos_ptr, eps, NUM_Q_HEADS,
                         NUM_KV_HEADS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
                         HAS_POSITIONS, ROPE_STYLE, GLUON, INTERPRET)
 

@@ -116,9 +116,10 @@ def _mma_tiles(a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_empty, num_
 
 @gluon.jit
 def _epilogue_tiles(acc_smem, acc_full, acc_empty, num_tiles, row_blocks,
-                    bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
+                    bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
                     dest_table_ptr, epoch_ptr, enter_ptr, word_table_ptr, status_ptr,
-                    rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
+                    rows, cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len,
+                    dest_seq_offset,
                     region_q, region_k, region_v, token_stride_q, token_stride_k,
                     token_stride_v, head_stride_q, head_stride_k, head_stride_v,
                     source_rank, max_row_blocks, timeout_ns,
@@ -150,11 +151,11 @@ def _epilogue_tiles(acc_smem, acc_full, acc_empty, num_tiles, row_blocks,
         gl.thread_barrier()
         mbarrier.arrive(acc_empty)
         entered, failed = deliver_tile(
-            acc, row_block, head, row_block * BLOCK_M + tile_rows, cols, half_cols, entered,
-            failed, epoch, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
-            dest_table_ptr, enter_ptr, word_table_ptr, status_ptr, rows, cos_sin_stride, eps,
-            seq_local, dest_seq_len, dest_seq_offset, region_q, region_k, region_v,
-            token_stride_q, token_stride_k, token_stride_v, head_stride_q, head_stride_k,
+            acc, row_block, head, row_block * BLOCK_M + tile_rows, cols, half_cols, entered, failed,
+            epoch, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
+            dest_table_ptr, enter_ptr, word_table_ptr, status_ptr, rows, cos_sin_stride,
+            cos_sin_rows, eps, seq_local, dest_seq_len, dest_seq_offset, region_q, region_k,
+            region_v, token_stride_q, token_stride_k, token_stride_v, head_stride_q, head_stride_k,
             head_stride_v, source_rank, max_row_blocks, timeout_ns, NUM_Q_HEADS, NUM_KV_HEADS,
             Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
             HAS_POSITIONS, ROPE_STYLE, SIGNAL, True, False)
@@ -162,8 +163,9 @@ def _epilogue_tiles(acc_smem, acc_full, acc_empty, num_tiles, row_blocks,
 
 @gluon.jit
 def qkv_produce_ws_kernel(x_desc, w_desc, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
-                          dest_table_ptr, epoch_ptr, enter_ptr, word_table_ptr, status_ptr,
-                          rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
+                          bad_pos_ptr, dest_table_ptr, epoch_ptr, enter_ptr, word_table_ptr,
+                          status_ptr, rows, cos_sin_stride, cos_sin_rows, eps, seq_local,
+                          dest_seq_len, dest_seq_offset,
                           region_q, region_k, region_v,
                           token_stride_q, token_stride_k, token_stride_v,
                           head_stride_q, head_stride_k, head_stride_v,
@@ -198,9 +200,10 @@ def qkv_produce_ws_kernel(x_desc, w_desc, bias_ptr, q_norm_ptr, k_norm_ptr, cos_
     K_STEPS: gl.constexpr = HIDDEN // BLOCK_K
     gl.warp_specialize([
         (_epilogue_tiles, (acc_smem, acc_full, acc_empty, num_tiles, row_blocks,
-                           bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr,
+                           bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
                            dest_table_ptr, epoch_ptr, enter_ptr, word_table_ptr, status_ptr,
-                           rows, cos_sin_stride, eps, seq_local, dest_seq_len, dest_seq_offset,
+                           rows, cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len,
+                           dest_seq_offset,
                            region_q, region_k, region_v,
                            token_stride_q, token_stride_k, token_stride_v,
                            head_stride_q, head_stride_k, head_stride_v,

@@ -13,7 +13,8 @@ The epoch lives on the device so CUDA-graph replays and eager calls interleave;
 the slot index is chosen on the host, so a captured call always reuses the slot
 it was captured with (docs/guide.md says what that means for outputs).
 Timeouts do not hang the job: the kernels record which peers never arrived in a
-pinned status word that ``check`` reads on the next call or ``synchronize``.
+pinned status word that ``check`` reads on the next call or ``synchronize``
+(positions outside the RoPE table are reported the same way, ``positions.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from cake_sp.kernels.signals import (
     wait_ready,
 )
 from cake_sp.session.plan import DestLayout, HeadPlan, ReadinessLayout
+from cake_sp.session.positions import BadPositionsCounter
 from cake_sp.session.slots import CallInputs, SlotRing, deliver
 
 
@@ -76,6 +78,7 @@ class NvlinkExchange:
         self._epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self._status = torch.zeros(1 + world, dtype=torch.int64,
                                    pin_memory=device.type == "cuda")
+        self._bad_positions = BadPositionsCounter(device)
         self._signals = ProducerSignals(
             epoch=self._epoch, enter=self._enter.local, word_table=self._words.table,
             source_rank=rank, readiness=self._readiness, status=self._status,
@@ -85,7 +88,7 @@ class NvlinkExchange:
     # one stream, can run every rank's arrive before any rank's producer.
 
     def start(self) -> int:
-        """Raise if an earlier call timed out; take the next slot; announce the call to peers."""
+        """Raise if an earlier call failed; take the next slot; announce the call to peers."""
         self.check()
         slot = self.slots.advance()
         barrier_arrive(self._epoch, self._enter.table, source_rank=self._rank)
@@ -99,7 +102,7 @@ class NvlinkExchange:
             dest=self.slots.layout(call.seq_global), dest_table=self.slots.table(slot),
             seq_local=call.seq_local, dest_seq_offset=self._rank * call.seq_local,
             eps=self._eps, rope_style=self._rope_style, signals=self._signals,
-            block_m=self._block_m, validate=False)
+            bad_positions=self._bad_positions.count, block_m=self._block_m, validate=False)
 
     def finish(self, call: CallInputs, slot: int, out: list[torch.Tensor] | None
                ) -> list[torch.Tensor]:
@@ -114,9 +117,11 @@ class NvlinkExchange:
         return self.finish(call, slot, out)
 
     def check(self) -> None:
-        """Raise ``PeerTimeoutError`` naming the peers a wait gave up on (reads pinned memory)."""
+        """Raise ``PeerTimeoutError`` naming the peers a wait gave up on, or ``ValueError`` for
+        positions outside the RoPE table (reads pinned memory; does not wait)."""
         flags = self._status.tolist()
         if not flags[0]:
+            self._bad_positions.check()
             return
         late = [p for p, f in enumerate(flags[1:]) if f & STATUS_READY_TIMEOUT]
         absent = [p for p, f in enumerate(flags[1:]) if f & STATUS_ENTER_TIMEOUT]

@@ -184,7 +184,9 @@ class QkvNormRopeExchangeOverlap:
         qkv_weight : bf16 ``[(Hq + 2*Hkv) * D, hidden]``, contiguous (``nn.Linear`` layout).
         q_norm_weight, k_norm_weight : bf16 ``[D]`` or None (None skips that norm).
         rope_cos_sin : fp32 ``[B * S_local, D]`` per token, or ``[max_pos, D]`` with ``positions``.
-        positions : int32/int64 ``[B, S_local]``, optional.
+        positions : int32/int64 ``[B, S_local]``, optional; rows of ``rope_cos_sin``.  Checked
+            on the GPU: one outside the table makes the next call or ``synchronize`` raise
+            ``ValueError`` (docs/guide.md, Errors).
         qkv_bias : bf16 ``[(Hq + 2*Hkv) * D]``, optional.
         out : caller-owned outputs to copy into (``(q, k, v)`` or one fused tensor).
 
@@ -203,12 +205,12 @@ class QkvNormRopeExchangeOverlap:
         return views[0] if self.config.layout == "fused" else tuple(views)
 
     def synchronize(self) -> None:
-        """Wait for this rank's enqueued calls and raise if a peer's data never arrived."""
+        """Wait for this rank's enqueued calls; raise if a peer's data never arrived
+        (``PeerTimeoutError``) or if a call's positions lay outside its RoPE table
+        (``ValueError``)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        check = getattr(self._impl, "check", None)
-        if check is not None:
-            check()
+        self._impl.check()
 
     def close(self) -> None:
         """Release the session's buffers (collective on the NVLink path).  Idempotent."""
@@ -267,12 +269,7 @@ class QkvNormRopeExchangeOverlap:
         else:
             check("positions", positions, dtypes=(torch.int32, torch.int64),
                   shape=(batch, seq_local))
-            if not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
-                # One small reduction; skipped under graph capture, where it cannot sync.
-                low, high = torch.aminmax(positions)
-                if int(low) < 0 or int(high) >= table_rows:
-                    raise ValueError(f"positions must lie in [0, {table_rows}) (the rows of "
-                                     f"rope_cos_sin), got values in [{int(low)}, {int(high)}]")
+            # Their range is checked by the producer on the GPU (session/positions.py).
             flat_positions = positions.view(rows)
         return CallInputs(x.view(rows, hidden), batch, seq_local, self.world_size, qkv_weight,
                           qkv_bias, q_norm_weight, k_norm_weight, rope_cos_sin, flat_positions)

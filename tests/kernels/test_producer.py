@@ -219,6 +219,8 @@ class VirtualRanks:
         self.epoch = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
         self.status = [torch.zeros(1 + world, dtype=torch.int64, device=device)
                        for _ in range(world)]
+        self.bad_positions = [torch.zeros(1, dtype=torch.int64, device=device)
+                              for _ in range(world)]
         self.slot_table = self._table(self.slots)
         self.word_table = self._table(self.words)
         self.enter_table = self._table(self.enter)
@@ -247,7 +249,8 @@ class VirtualRanks:
             src["cos_sin"], src["positions"], plan=c.plan, dest=self.dest(),
             dest_table=self.slot_table, seq_local=c.seq_local,
             dest_seq_offset=rank * c.seq_local, eps=EPS, rope_style=c.rope_style,
-            signals=signals, block_m=c.tile_rows, num_sms=c.num_sms, mainloop=c.mainloop)
+            signals=signals, bad_positions=self.bad_positions[rank], block_m=c.tile_rows,
+            num_sms=c.num_sms, mainloop=c.mainloop)
 
     def row_blocks(self) -> int:
         return -(-self.case.rows // self.case.tile_rows)
@@ -304,6 +307,7 @@ def _exchange_and_check(case: Case, device, record_property, seed: int) -> None:
     for r in range(case.world):
         assert vr.epoch[r].item() == 1
         assert vr.status[r].cpu().tolist() == [0] * (1 + case.world)
+        assert vr.bad_positions[r].item() == 0
         words = vr.words[r].cpu().view(case.world, per_source)
         assert bool((words[:, :used] == 1).all()), f"rank {r}: readiness words not raised"
         assert bool((words[:, used:] == 0).all()), f"rank {r}: words past the call raised"
@@ -324,6 +328,35 @@ def test_warp_specialized_mainloop_matches_oracle(name, device, record_property)
     """The Gluon kernel on the small cases: tail row blocks, one K step, GQA replication."""
     case = replace(CASES[name], mainloop="warp_specialized", block_m=None)
     _exchange_and_check(case, device, record_property, seed=len(name) + 1)
+
+
+@pytest.mark.parametrize("name", ["w2-gqa-split-200", "w4-gqa-repl-d64", "w2-tma"])
+def test_positions_outside_the_table_are_counted_and_read_nothing(name, device,
+                                                                  record_property):
+    """Positions < 0 or >= the table's rows: those Q/K rows rotate by cos = sin = 0 (the
+    oracle gets a zero table row for them), every Q/K tile row counts once, nothing else
+    changes."""
+    case = CASES[name]
+    inputs = _make_inputs(case, device, seed=13)
+    oracle_ranks, bad_rows = [], []
+    for src in inputs["ranks"]:
+        table, positions = src["cos_sin"], src["positions"].view(-1)
+        bad = torch.zeros_like(positions, dtype=torch.bool)
+        bad[::7] = True
+        positions[::14] = -1
+        positions[7::14] = table.shape[0] + 5
+        bad_rows.append(int(bad.sum()))
+        oracle_ranks.append(dict(
+            src, cos_sin=torch.cat((table, table.new_zeros(1, table.shape[1]))),
+            positions=torch.where(bad, table.shape[0], positions).view_as(src["positions"])))
+    vr = VirtualRanks(case, max_tokens=case.rows, device=device)
+    vr.call(inputs)
+    _check_slots(vr, _oracle_destinations(case, dict(inputs, ranks=oracle_ranks)),
+                 record_property)
+    qk_heads = case.num_q_heads + case.num_kv_heads
+    for r in range(case.world):
+        assert vr.bad_positions[r].item() == bad_rows[r] * qk_heads
+        assert not vr.status[r].any()
 
 
 @pytest.mark.parametrize("name", ["w2-gqa-split-200", "w4-fused-nonorm", "w2-fused-200"])
