@@ -8,7 +8,7 @@ it out in three partitions over ``[128, D]`` tiles:
 * *loader* (one warp): walks this program's tiles and streams the ``x`` and
   ``qkv_weight`` blocks by TMA into a ring of ``STAGES`` shared-memory slots
   (``ready`` / ``empty`` mbarriers), running ahead across tile boundaries;
-* *MMA* (one warpgroup): async ``wgmma`` over the ring with one group in
+* *MMA* (``MMA_WARPS``, one warpgroup): async ``wgmma`` over the ring with one group in
   flight, then writes the fp32 accumulator to a shared-memory tile
   (``acc_full`` / ``acc_empty`` mbarriers) and starts the next tile's MMAs;
 * *epilogue* (the launch's warps, the default partition): reads the tile back
