@@ -82,11 +82,10 @@ def _maybe_rms_norm(p, weight_ptr, cols, eps, HAS_WEIGHT: tl.constexpr, D: tl.co
 @triton.jit
 def _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, bias_ptr, q_norm_ptr, k_norm_ptr,
                   cos_sin_ptr, cos_sin_stride, cos_sin_rows, pos_ptr, bad_pos_ptr, eps,
-                  NUM_Q_HEADS: tl.constexpr,
-                  NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-                  HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr, GLUON: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Q_NORM: tl.constexpr,
+                  HAS_K_NORM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+                  ROPE_STYLE: tl.constexpr, GLUON: tl.constexpr, INTERPRET: tl.constexpr):
     """The bf16 ``[BLOCK_M, D]`` output tile of projection head ``head`` (``producer.py``)."""
     p = acc
     if HAS_BIAS:
