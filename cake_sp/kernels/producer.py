@@ -50,7 +50,7 @@ from cake_sp._validation import check_tensor
 from cake_sp.kernels import _config
 from cake_sp.kernels.norm_rope import ROPE_STYLES, rope_style_code
 from cake_sp.kernels.producer_epilogue import deliver_tile, tile_coords
-from cake_sp.kernels.signals import ProducerSignals, _check_int64_vector
+from cake_sp.kernels.signals import ProducerSignals, check_int64_vector
 from cake_sp.session.plan import DestLayout, HeadPlan
 
 try:  # Gluon's Hopper API as of Triton 3.6; without it the warp-specialised mainloop is off
@@ -298,7 +298,7 @@ def _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight
     if not eps > 0:
         raise ValueError(f"qkv_norm_rope_produce: eps must be > 0, got {eps}")
     if bad_positions is not None:
-        _check_int64_vector("qkv_norm_rope_produce: bad_positions", bad_positions, 1, device)
+        check_int64_vector("qkv_norm_rope_produce: bad_positions", bad_positions, 1, device)
     if signals is not None:
         if not isinstance(signals, ProducerSignals):
             raise TypeError("qkv_norm_rope_produce: signals must be a ProducerSignals or None, "

@@ -98,10 +98,10 @@ class ProducerSignals:
         """Raise ``ValueError``/``TypeError`` unless these signals fit ``plan`` and a call of
         ``row_blocks`` row blocks on ``device``."""
         world = plan.world_size
-        _check_int64_vector("signals.epoch", self.epoch, 1, device)
-        _check_int64_vector("signals.enter", self.enter, world, device)
-        _check_int64_vector("signals.word_table", self.word_table, world, device)
-        _check_int64_vector("signals.status", self.status, 1 + world, device)
+        check_int64_vector("signals.epoch", self.epoch, 1, device)
+        check_int64_vector("signals.enter", self.enter, world, device)
+        check_int64_vector("signals.word_table", self.word_table, world, device)
+        check_int64_vector("signals.status", self.status, 1 + world, device)
         if not 0 <= self.source_rank < world:
             raise ValueError(f"signals.source_rank must be in [0, {world}), "
                              f"got {self.source_rank}")
@@ -217,7 +217,7 @@ def _wait_ready_kernel(epoch_ptr, words_ptr, status_ptr, row_blocks, max_row_blo
 # ----------------------------------------------------------------------------- launchers
 
 
-def _check_int64_vector(name: str, t: torch.Tensor, length: int,
+def check_int64_vector(name: str, t: torch.Tensor, length: int,
                         device: torch.device | None) -> None:
     """``device`` None accepts any device (the first tensor checked sets it for the rest)."""
     if not isinstance(t, torch.Tensor):
@@ -252,8 +252,8 @@ def barrier_arrive(epoch: torch.Tensor, enter_table: torch.Tensor, *, source_ran
 
     Runs one program on the current stream; the host does not block.
     """
-    _check_int64_vector("epoch", epoch, 1, None)
-    _check_int64_vector("enter_table", enter_table, 1, epoch.device)
+    check_int64_vector("epoch", epoch, 1, None)
+    check_int64_vector("enter_table", enter_table, 1, epoch.device)
     world = enter_table.shape[0]
     _check_world(world)
     if not 0 <= source_rank < world:
@@ -287,9 +287,9 @@ def wait_ready(epoch: torch.Tensor, words: torch.Tensor, status: torch.Tensor, *
     """
     world = readiness.world_size
     _check_world(world)
-    _check_int64_vector("epoch", epoch, 1, None)
-    _check_int64_vector("words", words, readiness.words, epoch.device)
-    _check_int64_vector("status", status, 1 + world, epoch.device)
+    check_int64_vector("epoch", epoch, 1, None)
+    check_int64_vector("words", words, readiness.words, epoch.device)
+    check_int64_vector("status", status, 1 + world, epoch.device)
     if not 1 <= row_blocks <= readiness.max_row_blocks:
         raise ValueError(f"row_blocks must be in [1, {readiness.max_row_blocks}], got {row_blocks}")
     if timeout_ns < 0:
