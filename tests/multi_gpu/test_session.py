@@ -3,6 +3,8 @@
 Every rank checks its own output against the reference computed from every
 rank's input.  On CPUs the ranks use gloo and the NCCL path; with
 ``CAKE_SP_TEST_DEVICE`` set (see ``_ranks.py``) the same cases run on GPUs.
+``CAKE_SP_TEST_WORLDS``, ``CAKE_SP_TEST_CALLS`` and ``CAKE_SP_TEST_CASES`` pick the
+world sizes, the back-to-back call count and a subset of the cases.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ EXPECTED_BACKEND = os.environ.get("CAKE_SP_TEST_BACKEND", "nccl")
 HIDDEN = 64 if TEST_DEVICE == "cpu" else 1024
 # Several processes time-slicing one GPU make each call slow; lanes may lower this there.
 BACK_TO_BACK_CALLS = int(os.environ.get("CAKE_SP_TEST_CALLS", "1000"))
+# Comma-separated case names (without "case_") to run only those; a lane whose time limit
+# cannot hold every case at a large W uses it to finish the ones that were cut.
+ONLY_CASES = {f"case_{c}" for c in os.environ.get("CAKE_SP_TEST_CASES", "").split(",") if c}
 
 
 def _heads(world: int, kind: str) -> tuple[int, int]:
@@ -373,15 +378,27 @@ WIDE_WORLD_SKIPS = {case_mha_fused_neox_positions_no_norm_no_bias.__name__}
 
 
 def _cases_for(world: int) -> list:
-    if TEST_DEVICE != "cpu":
-        return CASES
-    skips = GPU_CASES | (WIDE_WORLD_SKIPS if world > 2 else set())
-    return [c for c in CASES if c.__name__ not in skips]
+    unknown = ONLY_CASES - {c.__name__ for c in CASES}
+    if unknown:
+        raise ValueError(f"CAKE_SP_TEST_CASES names unknown cases {sorted(unknown)}")
+    skips = set()
+    if TEST_DEVICE == "cpu":
+        skips = GPU_CASES | (WIDE_WORLD_SKIPS if world > 2 else set())
+    return [c for c in CASES if c.__name__ not in skips
+            and (not ONLY_CASES or c.__name__ in ONLY_CASES)]
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
 def reports(request):
     return request.param, run_cases(request.param, _cases_for(request.param))
+
+
+def _reports_of(by_case: dict, name: str) -> list[dict]:
+    """Every rank's report of one case; skips a case this lane did not run."""
+    if name not in by_case:
+        pytest.skip(f"{name} not run here: CAKE_SP_TEST_CASES selects others, or on CPUs it "
+                    "runs at W=2 only (its result does not depend on W)")
+    return by_case[name]
 
 
 def _ok(world, per_rank, name):
@@ -395,9 +412,7 @@ def test_every_rank_matches_the_reference(reports, case):
     world, by_case = reports
     if case.__name__ in GPU_CASES and TEST_DEVICE == "cpu":
         pytest.skip("needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared)")
-    if case.__name__ not in by_case:
-        pytest.skip(f"{case.__name__} runs at W=2 on CPUs (its result does not depend on W)")
-    per_rank = by_case[case.__name__]
+    per_rank = _reports_of(by_case, case.__name__)
     _ok(world, per_rank, case.__name__)
     differ = sum(c["differ"] for r in per_rank for c in r["compare"])
     one_ulp = sum(c["one_ulp"] for r in per_rank for c in r["compare"])
@@ -416,7 +431,7 @@ def test_wait_timeout_names_the_absent_rank(reports):
     world, by_case = reports
     if TEST_DEVICE == "cpu":
         pytest.skip("needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared)")
-    per_rank = by_case["case_gpu_wait_timeout_names_the_absent_rank"]
+    per_rank = _reports_of(by_case, "case_gpu_wait_timeout_names_the_absent_rank")
     _ok(world, per_rank, "timeout")
     if REQUESTED_BACKEND != "nccl":
         assert all("raised" in r for r in per_rank[:-1]) and per_rank[-1].get("absent")
@@ -424,14 +439,14 @@ def test_wait_timeout_names_the_absent_rank(reports):
 
 def test_slot_ring_reuse(reports):
     world, by_case = reports
-    per_rank = by_case["case_slot_ring_keeps_earlier_outputs"]
+    per_rank = _reports_of(by_case, "case_slot_ring_keeps_earlier_outputs")
     _ok(world, per_rank, "slot ring")
     assert all(r["reused_after_two_calls"] for r in per_rank)
 
 
 def test_bad_configuration_raises_on_every_rank(reports):
     world, by_case = reports
-    per_rank = by_case["case_bad_configuration_raises_everywhere"]
+    per_rank = _reports_of(by_case, "case_bad_configuration_raises_everywhere")
     _ok(world, per_rank, "bad configuration")
     # Every rank raised the same error for each bad configuration.
     for name in per_rank[0]:
@@ -440,9 +455,9 @@ def test_bad_configuration_raises_on_every_rank(reports):
 
 def test_lifecycle_and_backend_reason(reports):
     world, by_case = reports
-    per_rank = by_case["case_lifecycle"]
+    per_rank = _reports_of(by_case, "case_lifecycle")
     _ok(world, per_rank, "lifecycle")
-    reason = by_case["case_mha_bshd_interleaved"][0].get("reason", "")
+    reason = _reports_of(by_case, "case_mha_bshd_interleaved")[0]["reason"]
     print(f"W={world} backend reason: {reason}")
     if TEST_DEVICE == "cpu" and REQUESTED_BACKEND == "auto":
         assert "not a CUDA GPU" in reason
