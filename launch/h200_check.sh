@@ -6,7 +6,9 @@
 #
 # Stages: env, unit, kernels (every kernel test on the GPU; kernels-nvlink, kernels-append and
 # kernels-fmha run one family), shared (the session with W = 2, 4, 8
-# processes sharing GPU 0 over the NVLink path, nvshmem4py), demo (one rank, NCCL path),
+# processes sharing GPU 0 over the NVLink path, nvshmem4py; SHARED_WORLDS picks W, and
+# CAKE_SP_TEST_CALLS / CAKE_SP_TEST_CASES the back-to-back call count and a subset of the
+# cases, see tests/multi_gpu/test_session.py), demo (one rank, NCCL path),
 # sanitizer (compute-sanitizer memcheck + racecheck on the in-process NVLink protocol),
 # bench-producer, bench-append, bench-fmha, bench-comm (the comm benchmark with ranks sharing GPU 0).
 # PARALLEL=1 runs the named stages concurrently (test stages only: benchmarks need the GPU
