@@ -11,9 +11,10 @@
 # cases, see tests/multi_gpu/test_session.py), demo (one rank, NCCL path),
 # sanitizer (compute-sanitizer memcheck + racecheck on the in-process NVLink protocol),
 # bench-producer, bench-append, bench-fmha, bench-comm (the comm benchmark with ranks sharing GPU 0).
-# PARALLEL=1 runs the named stages concurrently (test stages only: benchmarks need the GPU
-# to themselves); on a machine with several GPUs each concurrent stage gets its own GPU, in
-# turn (stage i on GPU i mod the GPU count), so stages do not share one. Python wheels missing on the machine (nvshmem4py) may be carried in .whl/;
+# Stages joined by "+" form a lane and run one after another (kernels-nvlink+shared).
+# PARALLEL=1 runs the lanes concurrently (test stages only: benchmarks need the GPU to
+# themselves); on a machine with several GPUs each lane gets its own GPU, in turn (lane i on
+# GPU i mod the GPU count), so lanes do not share one. Python wheels missing on the machine (nvshmem4py) may be carried in .whl/;
 # they are installed into /tmp/site. The project itself runs from the tree (PYTHONPATH), not
 # from an install.
 set -uo pipefail
@@ -107,16 +108,23 @@ run_named() {
     esac
 }
 
-NUM_GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-lane=0
-for stage in "$@"; do
-    if [ "${PARALLEL:-0}" = 1 ] && [ "${NUM_GPUS:-0}" -gt 1 ]; then
-        CUDA_VISIBLE_DEVICES=$((lane % NUM_GPUS)) run_named "$stage" &
-        lane=$((lane + 1))
-    elif [ "${PARALLEL:-0}" = 1 ]; then
-        run_named "$stage" &
-    else
+run_lane() {
+    local stage
+    for stage in ${1//+/ }; do
         run_named "$stage"
+    done
+}
+
+NUM_GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+gpu=0
+for lane in "$@"; do
+    if [ "${PARALLEL:-0}" = 1 ] && [ "${NUM_GPUS:-0}" -gt 1 ]; then
+        CUDA_VISIBLE_DEVICES=$((gpu % NUM_GPUS)) run_lane "$lane" &
+        gpu=$((gpu + 1))
+    elif [ "${PARALLEL:-0}" = 1 ]; then
+        run_lane "$lane" &
+    else
+        run_lane "$lane"
     fi
 done
 wait
