@@ -30,9 +30,12 @@ if compgen -G ".whl/*.whl" > /dev/null && [ ! -d /tmp/site/nvshmem ]; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 PY=python3
-# PYTEST_ARGS adds pytest options to every test stage (say "-n 8" where pytest-xdist is present).
 # -v: one line per test as it ends, so a stage cut by its time limit still names what failed.
-PYTEST=(python3 -m pytest -v -p no:cacheprovider -o addopts="-ra" --tb=short ${PYTEST_ARGS:-})
+# PYTEST_ARGS adds pytest options to the unit and kernel stages (say "-n 8" where
+# pytest-xdist is present); shared and sanitizer run serially (their ranks, or the sanitizer,
+# already fill the machine).
+PYTEST_SERIAL=(python3 -m pytest -v -p no:cacheprovider -o addopts="-ra" --tb=short)
+PYTEST=("${PYTEST_SERIAL[@]}" ${PYTEST_ARGS:-})
 
 # One line on a stage's log: pytest's final counts, or for a stage cut before them the tests
 # that ended so far, or else the last error line.
@@ -84,7 +87,7 @@ run_named() {
         kernels-fmha) run_stage kernels-fmha "${PYTEST[@]}" tests/kernels -k fmha ;;
         shared) run_stage shared env CAKE_SP_TEST_DEVICE=cuda-shared CAKE_SP_TEST_BACKEND=nvlink \
                     CAKE_SP_TEST_WORLDS=${SHARED_WORLDS:-2,4,8} \
-                    "${PYTEST[@]}" -s tests/multi_gpu/test_session.py ;;
+                    "${PYTEST_SERIAL[@]}" -s tests/multi_gpu/test_session.py ;;
         demo) run_stage demo torchrun --standalone --nproc-per-node=1 launch/demo.py ;;
         sanitizer)
             # The in-process protocol (W = 2), and the producer without signals (the NCCL
@@ -92,9 +95,9 @@ run_named() {
             local cases=(tests/kernels/test_nvlink_inprocess.py::test_slots_match_reference_and_nothing_else_is_written
                          tests/kernels/test_producer.py::test_pack_without_signals)
             run_stage memcheck compute-sanitizer --tool memcheck --error-exitcode 9 \
-                "${PYTEST[@]}" "${cases[@]}" -k "2-2-2 or pack"
+                "${PYTEST_SERIAL[@]}" "${cases[@]}" -k "2-2-2 or pack"
             run_stage racecheck compute-sanitizer --tool racecheck --error-exitcode 9 \
-                "${PYTEST[@]}" "${cases[@]}" -k "2-2-2 or pack" ;;
+                "${PYTEST_SERIAL[@]}" "${cases[@]}" -k "2-2-2 or pack" ;;
         bench-producer) run_stage bench-producer $PY benchmarks/kernels/bench_producer.py \
                             --json "$OUT/bench_producer.json" ${BENCH_PRODUCER_ARGS:-} ;;
         bench-append) run_stage bench-append $PY benchmarks/kernels/bench_qk_rope_append.py \
