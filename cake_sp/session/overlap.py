@@ -21,6 +21,7 @@ from torch import Tensor
 
 from cake_sp._validation import check_tensor
 from cake_sp.kernels.norm_rope import rope_style_code
+from cake_sp.kernels.producer import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from cake_sp.session.mesh import (
     Backend,
     BackendDecision,
@@ -31,7 +32,6 @@ from cake_sp.session.mesh import (
 from cake_sp.session.plan import DestLayout, HeadPlan
 from cake_sp.session.slots import CallInputs
 
-SUPPORTED_HEAD_DIMS = (128,)
 # What local validation may raise; re-raised on every rank after the all-gather.
 _ERRORS = {"ValueError": ValueError, "TypeError": TypeError}
 # The producer's GEMM steps over hidden in blocks of at least 16 (and its TMA

@@ -20,14 +20,13 @@ from cake_sp.session.nvlink import NvlinkExchange, PeerTimeoutError
 from cake_sp.session.plan import DestLayout, HeadPlan
 from cake_sp.session.slots import CallInputs
 
-D = 128
 POISON = -12288.0  # exactly representable in bf16
 
 
 def _exchanges(world, hq, hkv, *, layout, max_tokens, device, rope_style="interleaved",
-               num_slots=2, timeout_s=30.0):
+               num_slots=2, timeout_s=30.0, head_dim=128):
     heap = InProcessHeap(world, device)
-    plan = HeadPlan(world, hq, hkv, D)
+    plan = HeadPlan(world, hq, hkv, head_dim)
     ranks = [NvlinkExchange(heap.rank(r), plan, layout=layout, max_tokens=max_tokens,
                             num_slots=num_slots, device=torch.device(device), eps=1e-6,
                             rope_style=rope_style_code(rope_style), wait_timeout_s=timeout_s)
@@ -36,17 +35,18 @@ def _exchanges(world, hq, hkv, *, layout, max_tokens, device, rope_style="interl
 
 
 def _inputs(g, world, plan, hidden, batch, seq_local, device, *, positions):
-    n = plan.total_heads * D
+    d = plan.head_dim
+    n = plan.total_heads * d
     weight = (torch.randn(n, hidden, generator=g) / hidden**0.5).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
-    qn, kn = [(1 + 0.2 * torch.randn(D, generator=g)).bfloat16() for _ in range(2)]
+    qn, kn = [(1 + 0.2 * torch.randn(d, generator=g)).bfloat16() for _ in range(2)]
     xs = [torch.randn(batch, seq_local, hidden, generator=g).bfloat16() for _ in range(world)]
     if positions:
-        table = reference.rope_cos_sin_table(512, D)
+        table = reference.rope_cos_sin_table(512, d)
         tables = [table] * world
         pos = [torch.randint(0, 512, (batch, seq_local), generator=g) for _ in range(world)]
     else:
-        tables = [reference.rope_cos_sin_table(batch * seq_local, D, base=100.0 + r)
+        tables = [reference.rope_cos_sin_table(batch * seq_local, d, base=100.0 + r)
                   for r in range(world)]
         pos = None
     calls = [CallInputs(xs[r].to(device).view(batch * seq_local, hidden), batch, seq_local,
@@ -64,18 +64,20 @@ def _run_call(ranks, calls):
     return [ex.finish(call, slot, None) for ex, call, slot in zip(ranks, calls, slots)], slots
 
 
-@pytest.mark.parametrize("world,hq,hkv,layout,rope_style,positions", [
-    (2, 2, 2, "bshd", "interleaved", False),
-    (2, 4, 4, "fused", "neox", True),
-    (4, 8, 4, "bshd", "neox", False),        # GQA, K/V heads split
-    (4, 4, 1, "bshd", "interleaved", True),  # GQA, K/V heads replicated to every rank
+@pytest.mark.parametrize("world,hq,hkv,layout,rope_style,positions,head_dim", [
+    (2, 2, 2, "bshd", "interleaved", False, 128),
+    (2, 4, 4, "fused", "neox", True, 128),
+    (4, 8, 4, "bshd", "neox", False, 128),        # GQA, K/V heads split
+    (4, 4, 1, "bshd", "interleaved", True, 128),  # GQA, K/V heads replicated to every rank
+    (2, 4, 2, "bshd", "neox", True, 64),
+    (2, 2, 2, "fused", "interleaved", False, 256),
 ])
 def test_slots_match_reference_and_nothing_else_is_written(device, world, hq, hkv, layout,
-                                                           rope_style, positions):
-    g = torch.Generator().manual_seed(world * 100 + hq * 10 + hkv)
+                                                           rope_style, positions, head_dim):
+    g = torch.Generator().manual_seed(world * 100 + hq * 10 + hkv + head_dim)
     hidden, max_tokens = 64, 160
     plan, ranks = _exchanges(world, hq, hkv, layout=layout, max_tokens=max_tokens,
-                             device=device, rope_style=rope_style)
+                             device=device, rope_style=rope_style, head_dim=head_dim)
     for ex in ranks:
         for buffer in ex.slots._buffers:
             buffer.fill_(POISON)
@@ -126,7 +128,7 @@ def test_timeout_names_the_rank_that_never_called(device):
 def test_destination_layout_covers_the_buffer_exactly():
     """Host-only: the regions of both layouts tile a full slot with no gap or overlap."""
     for hq, hkv, layout in [(8, 2, "bshd"), (4, 4, "fused"), (8, 8, "bshd")]:
-        plan = HeadPlan(4, hq, hkv, D)
+        plan = HeadPlan(4, hq, hkv, 128)
         cap = 12
         dest = DestLayout.for_layout(plan, layout, token_capacity=cap, seq_len=cap)
         marks = torch.zeros(DestLayout.buffer_elements(plan, cap), dtype=torch.int32)

@@ -92,6 +92,8 @@ CASES = {
     # W = 4, GQA split with two K/V heads per rank, Q heads > W.
     "w4-gqa-split-wide": Case(4, 8, 4, head_dim=64, hidden=64, rope_style="neox",
                               block_m=32),
+    # W = 2, D = 256 (64-row tiles on a GPU), interleaved RoPE, a tail row block.
+    "w2-mha-d256": Case(2, 2, 2, head_dim=256, hidden=64, seq_local=37, bias=True),
     # The tensor-descriptor mainloop (TMA on a GPU; emulated by the interpreter).
     "w2-tma": Case(2, 4, 2, batch=2, seq_local=100, bias=True, positions=torch.int64,
                    mainloop="tma"),

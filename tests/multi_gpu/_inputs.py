@@ -43,21 +43,22 @@ class Problem:
 
 def make_problem(seed: int, world: int, *, num_q_heads: int, num_kv_heads: int, hidden: int,
                  batch: int, seq_local: int, bias: bool = True, norms: bool = True,
-                 positions: bool = False, max_pos: int = 4096) -> Problem:
+                 positions: bool = False, max_pos: int = 4096,
+                 head_dim: int = HEAD_DIM) -> Problem:
     """Fresh random inputs (never zeros) for every rank of a ``world``-rank call."""
     g = torch.Generator().manual_seed(seed)
-    n = (num_q_heads + 2 * num_kv_heads) * HEAD_DIM
+    n = (num_q_heads + 2 * num_kv_heads) * head_dim
     weight = (torch.randn(n, hidden, generator=g) / hidden**0.5).bfloat16()
     xs = [torch.randn(batch, seq_local, hidden, generator=g).bfloat16() for _ in range(world)]
-    norm = lambda: (1 + 0.2 * torch.randn(HEAD_DIM, generator=g)).bfloat16()  # noqa: E731
+    norm = lambda: (1 + 0.2 * torch.randn(head_dim, generator=g)).bfloat16()  # noqa: E731
     if positions:
-        table = reference.rope_cos_sin_table(max_pos, HEAD_DIM)
+        table = reference.rope_cos_sin_table(max_pos, head_dim)
         tables = [table] * world
         pos = [torch.randint(0, max_pos, (batch, seq_local), generator=g, dtype=torch.int32)
                for _ in range(world)]
     else:
         # Per-token tables: each rank's tokens at their global positions.
-        full = reference.rope_cos_sin_table(world * batch * seq_local, HEAD_DIM, base=500.0)
+        full = reference.rope_cos_sin_table(world * batch * seq_local, head_dim, base=500.0)
         rows = batch * seq_local
         tables = [full[r * rows:(r + 1) * rows].contiguous() for r in range(world)]
         pos = None
@@ -65,11 +66,12 @@ def make_problem(seed: int, world: int, *, num_q_heads: int, num_kv_heads: int, 
                    norm() if norms else None, norm() if norms else None, tables, pos)
 
 
-def compare(got: Tensor, want: Tensor, what: str, rope_style: str | None = None) -> dict:
+def compare(got: Tensor, want: Tensor, what: str, rope_style: str | None = None,
+            head_dim: int = HEAD_DIM) -> dict:
     """Assert ``got`` matches the reference (``bf16_checks``); count the differences.
 
     ``rope_style`` is the style the values were rotated with, None for V.
     """
     assert got.dtype == torch.bfloat16, f"{what}: dtype {got.dtype}"
-    return assert_close_counting_flips(got, want, rope_style=rope_style, head_dim=HEAD_DIM,
+    return assert_close_counting_flips(got, want, rope_style=rope_style, head_dim=head_dim,
                                        what=what)

@@ -42,10 +42,11 @@ def _heads(world: int, kind: str) -> tuple[int, int]:
 
 
 def _check_call(ctx, *, kind, layout="bshd", rope_style="interleaved", batch=1, seq_local=37,
-                bias=True, norms=True, positions=False, use_out=False, calls=2, seed=0):
+                bias=True, norms=True, positions=False, use_out=False, calls=2, seed=0,
+                head_dim=128):
     hq, hkv = _heads(ctx.world_size, kind)
     report = {"compare": []}
-    with QkvNormRopeExchangeOverlap(num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
+    with QkvNormRopeExchangeOverlap(num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
                                     hidden=HIDDEN, max_tokens=256, layout=layout,
                                     rope_style=rope_style, device=ctx.device,
                                     backend=REQUESTED_BACKEND) as session:
@@ -56,7 +57,8 @@ def _check_call(ctx, *, kind, layout="bshd", rope_style="interleaved", batch=1, 
             seed_call = zlib.crc32(repr((seed, kind, layout, call)).encode())
             problem = make_problem(seed_call, ctx.world_size,
                                    num_q_heads=hq, num_kv_heads=hkv, hidden=HIDDEN, batch=batch,
-                                   seq_local=rows, bias=bias, norms=norms, positions=positions)
+                                   seq_local=rows, bias=bias, norms=norms, positions=positions,
+                                   head_dim=head_dim)
             want = problem.expected(hq, hkv, rope_style, layout)[ctx.rank]
             args = problem.rank_args(ctx.rank, ctx.device)
             out = None
@@ -73,7 +75,7 @@ def _check_call(ctx, *, kind, layout="bshd", rope_style="interleaved", batch=1, 
             else:
                 checks = zip("qkv", got, want, (rope_style, rope_style, None))
             for name, g, w, style in checks:
-                report["compare"].append(compare(g, w, f"call {call} {name}", style))
+                report["compare"].append(compare(g, w, f"call {call} {name}", style, head_dim))
     return report
 
 
@@ -90,6 +92,14 @@ def case_mha_bshd_interleaved(ctx):
 def case_mha_fused_neox_positions_no_norm_no_bias(ctx):
     return _check_call(ctx, kind="mha", layout="fused", rope_style="neox", seq_local=200,
                        bias=False, norms=False, positions=True)
+
+
+def case_head_dims_64_and_256(ctx):
+    """The head sizes besides 128: GQA split with D = 64 (neox, positions), MHA fused with
+    D = 256 (tail rows: 37 is no multiple of a 64-row tile)."""
+    small = _check_call(ctx, kind="gqa_split", rope_style="neox", positions=True, head_dim=64)
+    large = _check_call(ctx, kind="mha", layout="fused", head_dim=256)
+    return {**small, "compare": small["compare"] + large["compare"]}
 
 
 def case_gqa_split_neox_out(ctx):
@@ -362,19 +372,21 @@ def case_gpu_wait_timeout_names_the_absent_rank(ctx):
 
 
 CASES = [case_mha_bshd_interleaved, case_mha_fused_neox_positions_no_norm_no_bias,
-         case_gqa_split_neox_out, case_gqa_replicate_interleaved_positions,
+         case_head_dims_64_and_256, case_gqa_split_neox_out,
+         case_gqa_replicate_interleaved_positions,
          case_slot_ring_keeps_earlier_outputs, case_bad_configuration_raises_everywhere,
          case_bad_call_inputs_raise_before_any_collective, case_lifecycle,
          case_gpu_back_to_back_calls, case_gpu_two_sessions_in_flight,
          case_gpu_graph_capture_and_replay, case_gpu_wait_timeout_names_the_absent_rank]
-RESULT_CASES = CASES[:5] + [case_bad_call_inputs_raise_before_any_collective,
+RESULT_CASES = CASES[:6] + [case_bad_call_inputs_raise_before_any_collective,
                             case_gpu_back_to_back_calls, case_gpu_two_sessions_in_flight,
                             case_gpu_graph_capture_and_replay]
 GPU_CASES = {c.__name__ for c in CASES if c.__name__.startswith("case_gpu_")}
 # On CPUs every rank runs the kernels through Triton's interpreter, so the larger
 # worlds run the cases that depend on W (head split, replication, agreement) and
 # leave layout and RoPE-style variations, which do not, to W=2.
-WIDE_WORLD_SKIPS = {case_mha_fused_neox_positions_no_norm_no_bias.__name__}
+WIDE_WORLD_SKIPS = {case_mha_fused_neox_positions_no_norm_no_bias.__name__,
+                    case_head_dims_64_and_256.__name__}
 
 
 def _cases_for(world: int) -> list:
