@@ -97,6 +97,9 @@ CASES = {
     # The tensor-descriptor mainloop (TMA on a GPU; emulated by the interpreter).
     "w2-tma": Case(2, 4, 2, batch=2, seq_local=100, bias=True, positions=torch.int64,
                    mainloop="tma"),
+    # The same at D = 256 (64-row tiles on a GPU; a 256 x 64 weight block per K step).
+    "w2-tma-d256": Case(2, 2, 2, head_dim=256, hidden=128, seq_local=70, rope_style="neox",
+                        mainloop="tma"),
 }
 
 
