@@ -108,13 +108,7 @@ def _qkv_mainloop(x_src, w_src, row0, w_row0, rows, HIDDEN: tl.constexpr, D: tl.
 
 
 @triton.jit
-def _produce_tile(tile, entered, failed, epoch, row_blocks,
-                  x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
-                  dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
-                  rows, cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len, dest_seq_offset,
-                  region_q, region_k, region_v, token_stride_q, token_stride_k, token_stride_v,
-                  head_stride_q, head_stride_k, head_stride_v,
-                  source_rank, max_row_blocks, timeout_ns,
+def _produce_tile(tile, entered, failed, row_blocks, x_src, w_src, rows, inputs, dest, signals,
                   HIDDEN: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                   Q_PER_RANK: tl.constexpr, KV_PER_RANK: tl.constexpr,
                   KV_REPLICAS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -131,11 +125,7 @@ def _produce_tile(tile, entered, failed, epoch, row_blocks,
                         USE_TMA, INTERPRET)
     return deliver_tile(
         acc, row_block, head, row0 + tl.arange(0, BLOCK_M).to(tl.int64), tl.arange(0, D),
-        tl.arange(0, D // 2), entered, failed, epoch, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr,
-        pos_ptr, bad_pos_ptr, dest_table_ptr, enter_ptr, word_table_ptr, status_ptr, rows,
-        cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len, dest_seq_offset, region_q,
-        region_k, region_v, token_stride_q, token_stride_k, token_stride_v, head_stride_q,
-        head_stride_k, head_stride_v, source_rank, max_row_blocks, timeout_ns, NUM_Q_HEADS,
+        tl.arange(0, D // 2), entered, failed, rows, inputs, dest, signals, NUM_Q_HEADS,
         NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM,
         HAS_K_NORM, HAS_POSITIONS, ROPE_STYLE, SIGNAL, False, INTERPRET)
 
@@ -165,20 +155,22 @@ def _qkv_produce_kernel(x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
         epoch = tl.full((), 0, tl.int64)
     entered = tl.full((), 0, tl.int64)
     failed = tl.full((), 0, tl.int64)
+    inputs = (bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, cos_sin_stride, cos_sin_rows,
+              pos_ptr, bad_pos_ptr, eps)
+    dest = (dest_table_ptr, seq_local, dest_seq_len, dest_seq_offset, region_q, region_k,
+            region_v, token_stride_q, token_stride_k, token_stride_v, head_stride_q,
+            head_stride_k, head_stride_v)
+    signals = (epoch, enter_ptr, word_table_ptr, status_ptr, source_rank, max_row_blocks,
+               timeout_ns)
     if INTERPRET:
         # The interpreter cannot range over a runtime program id.
         tile = tl.program_id(0)
         while tile < num_tiles:
             entered, failed = _produce_tile(
-                tile, entered, failed, epoch, row_blocks,
-                x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
-                dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
-                rows, cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len, dest_seq_offset,
-                region_q, region_k, region_v, token_stride_q, token_stride_k, token_stride_v,
-                head_stride_q, head_stride_k, head_stride_v, source_rank, max_row_blocks,
-                timeout_ns, HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK,
-                KV_REPLICAS, D, BLOCK_M, BLOCK_K, GROUP_HEADS, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
-                HAS_POSITIONS, ROPE_STYLE, SIGNAL, USE_TMA, INTERPRET)
+                tile, entered, failed, row_blocks, x_src, w_src, rows, inputs, dest, signals,
+                HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D,
+                BLOCK_M, BLOCK_K, GROUP_HEADS, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM, HAS_POSITIONS,
+                ROPE_STYLE, SIGNAL, USE_TMA, INTERPRET)
             tile += tl.num_programs(0)
     else:
         # tl.range, not the while loop: it compiles differently, it measured 3-4 %
@@ -189,15 +181,10 @@ def _qkv_produce_kernel(x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
         # pipeliner then fails to compile the kernel).
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=1):
             entered, failed = _produce_tile(
-                tile, entered, failed, epoch, row_blocks,
-                x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
-                dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
-                rows, cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len, dest_seq_offset,
-                region_q, region_k, region_v, token_stride_q, token_stride_k, token_stride_v,
-                head_stride_q, head_stride_k, head_stride_v, source_rank, max_row_blocks,
-                timeout_ns, HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK,
-                KV_REPLICAS, D, BLOCK_M, BLOCK_K, GROUP_HEADS, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
-                HAS_POSITIONS, ROPE_STYLE, SIGNAL, USE_TMA, INTERPRET)
+                tile, entered, failed, row_blocks, x_src, w_src, rows, inputs, dest, signals,
+                HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D,
+                BLOCK_M, BLOCK_K, GROUP_HEADS, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM, HAS_POSITIONS,
+                ROPE_STYLE, SIGNAL, USE_TMA, INTERPRET)
 
 
 # ----------------------------------------------------------------------------- launcher

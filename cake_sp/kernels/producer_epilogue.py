@@ -80,13 +80,15 @@ def _maybe_rms_norm(p, weight_ptr, cols, eps, HAS_WEIGHT: tl.constexpr, D: tl.co
 
 
 @triton.jit
-def _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, bias_ptr, q_norm_ptr, k_norm_ptr,
-                  cos_sin_ptr, cos_sin_stride, cos_sin_rows, pos_ptr, bad_pos_ptr, eps,
+def _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, inputs,
                   NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
                   BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Q_NORM: tl.constexpr,
                   HAS_K_NORM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
                   ROPE_STYLE: tl.constexpr, GLUON: tl.constexpr, INTERPRET: tl.constexpr):
-    """The bf16 ``[BLOCK_M, D]`` output tile of projection head ``head`` (``producer.py``)."""
+    """The bf16 ``[BLOCK_M, D]`` output tile of projection head ``head`` (``producer.py``);
+    ``inputs`` as in :func:`deliver_tile`."""
+    (bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, cos_sin_stride, cos_sin_rows, pos_ptr,
+     bad_pos_ptr, eps) = inputs
     p = acc
     if HAS_BIAS:
         p += tl.load(bias_ptr + head * D + cols).to(tl.float32)[None, :]
@@ -118,13 +120,8 @@ def _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, bias_ptr, q_norm_p
 
 
 @triton.jit
-def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed, epoch,
-                 bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
-                 dest_table_ptr, enter_ptr, word_table_ptr, status_ptr,
-                 rows, cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len, dest_seq_offset,
-                 region_q, region_k, region_v, token_stride_q, token_stride_k, token_stride_v,
-                 head_stride_q, head_stride_k, head_stride_v,
-                 source_rank, max_row_blocks, timeout_ns,
+def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed, rows, inputs,
+                 dest, signals,
                  NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                  Q_PER_RANK: tl.constexpr, KV_PER_RANK: tl.constexpr,
                  KV_REPLICAS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -134,13 +131,18 @@ def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed,
     """Finish tile (``row_block``, ``head``) from its fp32 accumulator and store it at every
     destination; returns the updated bit sets of ranks seen entered / given up on by
     this program (``offs_m`` int64 source rows of the tile, ``cols``/``half_cols``
-    ``arange(D)``/``arange(D/2)`` in layouts matching ``acc``)."""
+    ``arange(D)``/``arange(D/2)`` in layouts matching ``acc``).  The kernel's arguments
+    arrive in three tuples: ``inputs`` what the epilogue reads (bias, norm weights, RoPE
+    table, positions, eps),
+    ``dest`` where it writes, ``signals`` the readiness protocol."""
     row_ok = offs_m < rows
-    out = _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, bias_ptr, q_norm_ptr,
-                        k_norm_ptr, cos_sin_ptr, cos_sin_stride, cos_sin_rows, pos_ptr,
-                        bad_pos_ptr, eps, NUM_Q_HEADS,
+    out = _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, inputs, NUM_Q_HEADS,
                         NUM_KV_HEADS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
                         HAS_POSITIONS, ROPE_STYLE, GLUON, INTERPRET)
+    (dest_table_ptr, seq_local, dest_seq_len, dest_seq_offset, region_q, region_k, region_v,
+     token_stride_q, token_stride_k, token_stride_v, head_stride_q, head_stride_k,
+     head_stride_v) = dest
+    epoch, enter_ptr, word_table_ptr, status_ptr, source_rank, max_row_blocks, timeout_ns = signals
 
     kind, first_rank, replicas, local = _head_destinations(
         head, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS)

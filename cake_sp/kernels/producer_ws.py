@@ -143,6 +143,13 @@ def _epilogue_tiles(acc_smem, acc_full, acc_empty, num_tiles, row_blocks,
         epoch = none
     entered = none
     failed = none
+    inputs = (bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, cos_sin_stride, cos_sin_rows,
+              pos_ptr, bad_pos_ptr, eps)
+    dest = (dest_table_ptr, seq_local, dest_seq_len, dest_seq_offset, region_q, region_k,
+            region_v, token_stride_q, token_stride_k, token_stride_v, head_stride_q,
+            head_stride_k, head_stride_v)
+    signals = (epoch, enter_ptr, word_table_ptr, status_ptr, source_rank, max_row_blocks,
+               timeout_ns)
     for t in range(gl.cdiv(num_tiles - pid, nprog)):
         row_block, head = tile_coords(pid + t * nprog, row_blocks, NUM_Q_HEADS, NUM_KV_HEADS,
                                       Q_PER_RANK, KV_PER_RANK, GROUP_HEADS)
@@ -151,13 +158,9 @@ def _epilogue_tiles(acc_smem, acc_full, acc_empty, num_tiles, row_blocks,
         gl.thread_barrier()
         mbarrier.arrive(acc_empty)
         entered, failed = deliver_tile(
-            acc, row_block, head, row_block * BLOCK_M + tile_rows, cols, half_cols, entered, failed,
-            epoch, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
-            dest_table_ptr, enter_ptr, word_table_ptr, status_ptr, rows, cos_sin_stride,
-            cos_sin_rows, eps, seq_local, dest_seq_len, dest_seq_offset, region_q, region_k,
-            region_v, token_stride_q, token_stride_k, token_stride_v, head_stride_q, head_stride_k,
-            head_stride_v, source_rank, max_row_blocks, timeout_ns, NUM_Q_HEADS, NUM_KV_HEADS,
-            Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
+            acc, row_block, head, row_block * BLOCK_M + tile_rows, cols, half_cols, entered,
+            failed, rows, inputs, dest, signals, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK,
+            KV_PER_RANK, KV_REPLICAS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
             HAS_POSITIONS, ROPE_STYLE, SIGNAL, True, False)
 
 
