@@ -132,9 +132,9 @@ def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed,
     destination; returns the updated bit sets of ranks seen entered / given up on by
     this program (``offs_m`` int64 source rows of the tile, ``cols``/``half_cols``
     ``arange(D)``/``arange(D/2)`` in layouts matching ``acc``).  The kernel's arguments
-    arrive in three tuples: ``inputs`` what the epilogue reads (bias, norm weights, RoPE
-    table, positions, eps),
-    ``dest`` where it writes, ``signals`` the readiness protocol."""
+    arrive in three tuples, unpacked below in their order: ``inputs`` what the epilogue
+    reads (bias, norm weights, RoPE table, positions, eps), ``dest`` where it writes,
+    ``signals`` the readiness protocol."""
     row_ok = offs_m < rows
     out = _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, inputs, NUM_Q_HEADS,
                         NUM_KV_HEADS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,

@@ -218,7 +218,7 @@ def _wait_ready_kernel(epoch_ptr, words_ptr, status_ptr, row_blocks, max_row_blo
 
 
 def check_int64_vector(name: str, t: torch.Tensor, length: int,
-                        device: torch.device | None) -> None:
+                       device: torch.device | None) -> None:
     """``device`` None accepts any device (the first tensor checked sets it for the rest)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
