@@ -115,7 +115,8 @@ wants link && step link "${LOG}_link.log" "${TORCHRUN[@]}" --nproc-per-node="$W"
   benchmarks/comm/bench_link.py --json "${LOG}_link.json"
 
 if wants bench; then
-  for w in 2 4 8; do
+  # Largest first, so W itself comes first and a run cut by a time limit keeps the lane's table.
+  for w in 8 4 2; do
     [[ $w -le $W ]] || continue
     name=$LOG; [[ $w == "$W" ]] || name="${LOG}_w${w}"
     step "bench W=$w" "${name}.log" "${TORCHRUN[@]}" --nproc-per-node="$w" \
