@@ -18,6 +18,7 @@ import triton.language as tl
 from cake_sp.kernels import _config
 from cake_sp.kernels.norm_rope import (
     FP8_E4M3_MAX,
+    divide_rn,
     load_cos_sin,
     qk_norm_rope,
     rope_style_code,
@@ -44,8 +45,20 @@ QUANT_POLICIES = {1: "dynamic per-token-per-head Q scale", 2: "static q_scale_in
 _QUANT_DYNAMIC: tl.constexpr = tl.constexpr(1)
 # Floor of a dynamic Q scale's numerator, so an all-zero head gets a finite scale.
 _AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-6)
+# Divisors for which divide_rn's fast path is exact at every FP8 value.
+_FAST_DIVISOR_MIN: tl.constexpr = tl.constexpr(2.0**-64)
+_FAST_DIVISOR_MAX: tl.constexpr = tl.constexpr(2.0**64)
 # q_scale of dynamic prefill pads each request's token axis to a multiple of this.
 Q_SCALE_PAD = 128
+
+
+@triton.jit
+def _divide_by_scale(x, scale, INTERPRET: tl.constexpr):
+    """``x / scale`` rounded once for the scalar K or V scale (``divide_rn``, fast for any
+    scale a cache uses: [2^-64, 2^64])."""
+    magnitude = tl.abs(scale)
+    return divide_rn(x, scale, (magnitude >= _FAST_DIVISOR_MIN) & (magnitude <= _FAST_DIVISOR_MAX),
+                     INTERPRET)
 
 
 @triton.jit
@@ -93,7 +106,10 @@ def _qk_rope_fp8_append_kernel(
                 if QUANT == _QUANT_DYNAMIC:
                     amax = tl.maximum(tl.max(tl.abs(y), axis=1), _AMAX_FLOOR)
                     scale = tl.math.div_rn(amax, tl.full([BLOCK_M], upper_max, tl.float32))
-                    q8 = round_to_fp8e4m3(tl.math.div_rn(y, scale[:, None]), INTERPRET)
+                    # scale >= 1e-6 / 448 > 2^-64, and <= FLT_MAX / upper_max < 2^126:
+                    # 1 / scale is normal, all divide_rn's fast path needs here.
+                    q8 = round_to_fp8e4m3(divide_rn(y, scale[:, None], upper_max >= 4.0,
+                                                    INTERPRET), INTERPRET)
                     if SCALE_BY_REQUEST:
                         s_off = req.to(tl.int64) * stride_sb + r * stride_st
                     else:
@@ -105,14 +121,14 @@ def _qk_rope_fp8_append_kernel(
                 tl.store(dst, q8, mask=tok_ok[:, None])
             else:
                 y = qk_norm_rope(x, k_norm_ptr, cos, sin, eps, POLICY, BLOCK_M, D, STYLE)
-                k8 = round_to_fp8e4m3(tl.math.div_rn(y, tl.load(k_scale_ptr) + tl.zeros_like(y)),
+                k8 = round_to_fp8e4m3(_divide_by_scale(y, tl.load(k_scale_ptr), INTERPRET),
                                       INTERPRET)
                 store_kv_rows(k_cache_ptr, out_k_ptr, k8, tok, slot - HQ, page, row, tok_ok,
                               page_ok, stride_cp, stride_cr, stride_ch, stride_kt, stride_kh, D,
                               K_TO_CACHE)
         else:
             v = tl.load(src, mask=tok_ok[:, None], other=0.0).to(tl.float32)
-            v8 = round_to_fp8e4m3(tl.math.div_rn(v, tl.load(v_scale_ptr) + tl.zeros_like(v)),
+            v8 = round_to_fp8e4m3(_divide_by_scale(v, tl.load(v_scale_ptr), INTERPRET),
                                   INTERPRET)
             store_kv_rows(v_cache_ptr, out_v_ptr, v8, tok, slot - HQ - HKV, page, row, tok_ok,
                           page_ok, stride_cp, stride_cr, stride_ch, stride_vt, stride_vh, D,

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from _append_reference import Case, check_call, plan_targets, poisoned, reference_qk, rope_table
 
 from cake_sp import fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as append_fp8
+from cake_sp.kernels import _config
+from cake_sp.kernels.norm_rope import divide_rn
 from cake_sp.kernels.paged_append import ERR_METADATA, ERR_PAGE
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -279,3 +283,35 @@ def test_gpu_cuda_graph_replays_match_eager(device, quant, prefill):
     assert out[2].eq(-1).all()
     for c, s in zip(caches, start, strict=True):
         assert torch.equal(c.view(torch.uint8), s.view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------- divide_rn
+
+
+@triton.jit
+def _divide_kernel(x_ptr, s_ptr, out_ptr, fast, N: tl.constexpr, INTERPRET: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    s = tl.load(s_ptr + offs // 64)
+    tl.store(out_ptr + offs, divide_rn(x, s, fast != 0, INTERPRET))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_divide_rn_is_the_ieee_quotient(fast, device):
+    """Bit for bit ``x / s`` (torch's division is IEEE) over 64 divisors in [2^-64, 2^64],
+    dividends spread over the quotients FP8 keeps, and zeros, infinities and NaN."""
+    g = torch.Generator().manual_seed(5)
+    s = torch.exp2(torch.empty(64).uniform_(-64, 64, generator=g))
+    s *= torch.where(torch.rand(64, generator=g) < 0.5, -1.0, 1.0)
+    q = torch.exp2(torch.empty(64 * 64).uniform_(-10, 9, generator=g)) * torch.randn(
+        64 * 64, generator=g).sign()
+    x = (q * s.repeat_interleave(64)).float()
+    x[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30])
+    out = torch.full_like(x, 7.0).to(device)
+    _divide_kernel[(1,)](x.to(device), s.to(device), out, int(fast), N=x.numel(),
+                         INTERPRET=_config.INTERPRET)
+    want = x / s.repeat_interleave(64)
+    got = out.cpu()
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    first = (~same).nonzero()[:4].flatten().tolist()
+    assert bool(same.all()), f"{int((~same).sum())} quotients differ, first at {first}"
