@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -58,18 +59,37 @@ PRODUCER_INTERPRET_PROGRAMS: int = 2
 # Mainloops in order of preference; the launcher takes the first the device and the
 # head size allow (producer.MAINLOOPS says what each needs).
 PRODUCER_MAINLOOPS: tuple[str, ...] = ("tma", "pointer")
-# The warp-specialised kernel (producer_ws.py): 128-row tiles (one wgmma warpgroup's
-# accumulator); ring slots of a 128 x 64 + D x 64 bf16 block pair (4 x 32 KiB at
-# D = 128, beside the 64 KiB fp32 accumulator tile); registers of its MMA warpgroup
-# and its one-warp TMA loader, whatever is left going to the epilogue warps.  168
-# leaves the epilogue 152, the least at which neither spills (sm_90a compile, ptxas).
-# On an H200 (sweep 7 of docs/results/producer_and_fmha_sweeps_h200.md) 8 heads per
-# tile group took 1-11 % less time than 16 on all 8 rows; 5 stages, 3 stages and
-# two MMA warpgroups (64 rows each) took more.
-PRODUCER_WS_BLOCK_M: int = 128
-PRODUCER_WS_STAGES: int = 4
-PRODUCER_WS_MMA_WARPS: int = 4
-PRODUCER_WS_MMA_REGS: int = 168
+# The warp-specialised kernel (producer_ws.py).  Its epilogue works in 64-row chunks,
+# each a readiness row block (the launcher's block_m).  Two tile shapes:
+# * fp32 hand-off (any norm setting): 128-row tiles, one wgmma warpgroup; ring slots
+#   of a 128 x 64 + D x 64 bf16 block pair (4 x 32 KiB at D = 128) beside the 64 KiB
+#   fp32 tile; 168 MMA registers leave 152 to 8 epilogue warps, no spills (sm_90a,
+#   ptxas).  On an H200 (sweep 7) 8 heads per tile group took 1-11 % less time than
+#   16; 5 stages, 3 stages and two MMA warpgroups of 64 rows took more.
+# * norm in the MMA warps (both norm weights given, PRODUCER_WS_NORM_IN_MMA): 256-row
+#   tiles, two warpgroups, a bf16 hand-off (64 KiB) beside 3 ring slots of 48 KiB;
+#   168 MMA registers leave 136 to 4 epilogue warps, no spills.  On an H200 (sweep 8 of
+#   docs/results/producer_and_fmha_sweeps_h200.md) 0.88-1.01x the TMA mainloop's time at
+#   2,048 rows and more, 1.05-1.20x at 512: not yet the default.
+PRODUCER_WS_CHUNK_M: int = 64
+PRODUCER_WS_NORM_IN_MMA: bool = True
+
+
+@dataclass(frozen=True)
+class WsTile:
+    """One tile shape of the warp-specialised producer (see above): rows per tile, ring
+    slots, MMA warps and their register budget, and the epilogue partition's warps."""
+
+    tile_m: int
+    stages: int
+    mma_warps: int
+    mma_regs: int
+    epilogue_warps: int
+
+
+PRODUCER_WS_TILE = WsTile(tile_m=128, stages=4, mma_warps=4, mma_regs=168, epilogue_warps=8)
+PRODUCER_WS_NORM_TILE = WsTile(tile_m=256, stages=3, mma_warps=8, mma_regs=168,
+                               epilogue_warps=4)
 PRODUCER_WS_LOADER_REGS: int = 40
 PRODUCER_WS_GROUP_HEADS: int = 8
 
@@ -98,7 +118,7 @@ def append_block_m(num_tokens: int, head_dim: int) -> int:
 def producer_block_m(head_dim: int, mainloop: str | None = None) -> int:
     """Rows per producer tile (one head of ``head_dim`` columns) for ``mainloop``.
 
-    The warp-specialised mainloop takes ``PRODUCER_WS_BLOCK_M``.  The others:
+    The warp-specialised mainloop takes ``PRODUCER_WS_CHUNK_M``.  The others:
 
     256 rows with ``D <= 128``: a 256 x 128 tile reads 25 % fewer operand bytes
     per FLOP than a 128 x 128 one; with four stages it took the producer on an
@@ -107,7 +127,7 @@ def producer_block_m(head_dim: int, mainloop: str | None = None) -> int:
     interpreter takes 128, so small tests stay one tile and fast.
     """
     if mainloop == "warp_specialized":
-        return PRODUCER_WS_BLOCK_M
+        return PRODUCER_WS_CHUNK_M
     if INTERPRET:
         return 128
     return 64 if head_dim > 128 else 256

@@ -63,8 +63,8 @@ except ImportError:
 
 HEAD_DIMS = (64, 128, 256)
 MAINLOOPS = ("pointer", "tma", "warp_specialized")
-# The warp-specialised kernel's epilogue holds a whole 128-row tile in 8 warps'
-# registers; D = 256 would not fit them.
+# The warp-specialised kernel is not built for D = 256: its fp32 hand-off tile alone would
+# take 128 KiB of shared memory.
 WS_HEAD_DIMS = (64, 128)
 
 # ----------------------------------------------------------------------------- device code
@@ -220,7 +220,7 @@ def _choose_mainloop(mainloop: str | None, x: torch.Tensor, qkv_weight: torch.Te
     if _config.INTERPRET or (on_gpu and _config.tma_supported(x.device.index)):
         allowed.append("tma")  # the interpreter emulates tensor descriptors
     if (qkv_produce_ws_kernel is not None and on_gpu and _config.wgmma_supported(x.device.index)
-            and d in WS_HEAD_DIMS and block_m == _config.PRODUCER_WS_BLOCK_M):
+            and d in WS_HEAD_DIMS and block_m == _config.PRODUCER_WS_CHUNK_M):
         allowed.append("warp_specialized")
     if mainloop is None:
         mainloop = next(m for m in _config.PRODUCER_MAINLOOPS if m in allowed)
@@ -366,7 +366,7 @@ def qkv_norm_rope_produce(
         The GEMM mainloop (``MAINLOOPS``): ``"pointer"`` (pointer loads; any target and
         the CPU interpreter), ``"tma"`` (``tl.dot`` over tensor descriptors, sm_90+),
         ``"warp_specialized"`` (``producer_ws``: a TMA loader warp, a ``wgmma`` warpgroup and
-        epilogue warps, sm_90 only, ``D`` of 64 or 128, ``block_m`` 128).  Default: the first of
+        epilogue warps, sm_90 only, ``D`` of 64 or 128, ``block_m`` 64).  Default: the first of
         ``_config.PRODUCER_MAINLOOPS`` the device and shape allow.  Both TMA
         mainloops need 16-byte aligned ``x`` and ``qkv_weight``.
     validate : bool
@@ -416,17 +416,20 @@ def qkv_norm_rope_produce(
         num_warps=_config.PRODUCER_NUM_WARPS)
     grid = (min(num_tiles, num_sms),)
     if mainloop == "warp_specialized":
-        x_desc = GluonTensorDescriptor.from_tensor(x, [block_m, block_k],
-                                                   _nvmma_layout(block_m, block_k))
+        norm_in_mma = (_config.PRODUCER_WS_NORM_IN_MMA and q_norm_weight is not None
+                       and k_norm_weight is not None)
+        tile = _config.PRODUCER_WS_NORM_TILE if norm_in_mma else _config.PRODUCER_WS_TILE
+        x_desc = GluonTensorDescriptor.from_tensor(x, [tile.tile_m, block_k],
+                                                   _nvmma_layout(tile.tile_m, block_k))
         w_desc = GluonTensorDescriptor.from_tensor(qkv_weight, [d, block_k],
                                                    _nvmma_layout(d, block_k))
-        qkv_produce_ws_kernel[grid](x_desc, w_desc, *args, **constants,
-                                    GROUP_HEADS=min(_config.PRODUCER_WS_GROUP_HEADS,
-                                                    plan.total_heads),
-                                    STAGES=_config.PRODUCER_WS_STAGES,
-                                    MMA_WARPS=_config.PRODUCER_WS_MMA_WARPS,
-                                    MMA_REGS=_config.PRODUCER_WS_MMA_REGS,
-                                    LOADER_REGS=_config.PRODUCER_WS_LOADER_REGS)
+        tiles = triton.cdiv(rows, tile.tile_m) * plan.total_heads
+        qkv_produce_ws_kernel[(min(tiles, num_sms),)](
+            x_desc, w_desc, *args, **{**constants, "num_warps": tile.epilogue_warps},
+            GROUP_HEADS=min(_config.PRODUCER_WS_GROUP_HEADS, plan.total_heads),
+            TILE_M=tile.tile_m, CHUNK_M=block_m, NORM_IN_MMA=norm_in_mma, STAGES=tile.stages,
+            MMA_WARPS=tile.mma_warps, MMA_REGS=tile.mma_regs,
+            LOADER_REGS=_config.PRODUCER_WS_LOADER_REGS)
         return
     use_tma = mainloop == "tma"
     if use_tma:

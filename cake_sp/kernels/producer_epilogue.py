@@ -68,11 +68,15 @@ def _head_destinations(head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constex
 
 @triton.jit
 def _maybe_rms_norm(p, weight_ptr, cols, eps, HAS_WEIGHT: tl.constexpr, D: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    """``bf16(bf16(rmsnorm(p)) * w)`` as fp32 when the norm weight is given, else ``p``."""
+                    NORMALIZED: tl.constexpr, INTERPRET: tl.constexpr):
+    """``bf16(bf16(rmsnorm(p)) * w)`` as fp32 when the norm weight is given, else ``p``.
+    ``NORMALIZED``: ``p`` already holds ``bf16(rmsnorm(p))``."""
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + cols).to(tl.float32)
-        n = round_to_bf16(rms_normalize(p, eps, D), INTERPRET).to(tl.float32)
+        if NORMALIZED:
+            n = p
+        else:
+            n = round_to_bf16(rms_normalize(p, eps, D), INTERPRET).to(tl.float32)
         # Both factors are bf16 values, so the fp32 product is exact: rounding it
         # once gives the bf16 product.
         p = round_to_bf16(n * w[None, :], INTERPRET).to(tl.float32)
@@ -84,19 +88,23 @@ def _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, inputs,
                   NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
                   BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Q_NORM: tl.constexpr,
                   HAS_K_NORM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-                  ROPE_STYLE: tl.constexpr, GLUON: tl.constexpr, INTERPRET: tl.constexpr):
+                  ROPE_STYLE: tl.constexpr, GLUON: tl.constexpr, NORMALIZED: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     """The bf16 ``[BLOCK_M, D]`` output tile of projection head ``head`` (``producer.py``);
-    ``inputs`` as in :func:`deliver_tile`."""
+    ``inputs`` as in :func:`deliver_tile`.  ``NORMALIZED``: ``acc`` already has the bias
+    and, for Q and K heads (both with norm weights), ``bf16(rmsnorm)`` applied; V heads are
+    then already their bf16 output."""
     (bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, cos_sin_stride, cos_sin_rows, pos_ptr,
      bad_pos_ptr, eps) = inputs
     p = acc
     if HAS_BIAS:
-        p += tl.load(bias_ptr + head * D + cols).to(tl.float32)[None, :]
+        if not NORMALIZED:
+            p += tl.load(bias_ptr + head * D + cols).to(tl.float32)[None, :]
     if head < NUM_Q_HEADS + NUM_KV_HEADS:
         if head < NUM_Q_HEADS:
-            y = _maybe_rms_norm(p, q_norm_ptr, cols, eps, HAS_Q_NORM, D, INTERPRET)
+            y = _maybe_rms_norm(p, q_norm_ptr, cols, eps, HAS_Q_NORM, D, NORMALIZED, INTERPRET)
         else:
-            y = _maybe_rms_norm(p, k_norm_ptr, cols, eps, HAS_K_NORM, D, INTERPRET)
+            y = _maybe_rms_norm(p, k_norm_ptr, cols, eps, HAS_K_NORM, D, NORMALIZED, INTERPRET)
         if HAS_POSITIONS:
             table_rows = tl.load(pos_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
             in_table = (table_rows >= 0) & (table_rows < cos_sin_rows)
@@ -127,7 +135,7 @@ def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed,
                  KV_REPLICAS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
                  HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr, SIGNAL: tl.constexpr,
-                 GLUON: tl.constexpr, INTERPRET: tl.constexpr):
+                 GLUON: tl.constexpr, INTERPRET: tl.constexpr, NORMALIZED: tl.constexpr = False):
     """Finish tile (``row_block``, ``head``) from its fp32 accumulator and store it at every
     destination; returns the updated bit sets of ranks seen entered / given up on by
     this program (``offs_m`` int64 source rows of the tile, ``cols``/``half_cols``
@@ -138,7 +146,7 @@ def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed,
     row_ok = offs_m < rows
     out = _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, inputs, NUM_Q_HEADS,
                         NUM_KV_HEADS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
-                        HAS_POSITIONS, ROPE_STYLE, GLUON, INTERPRET)
+                        HAS_POSITIONS, ROPE_STYLE, GLUON, NORMALIZED, INTERPRET)
     (dest_table_ptr, seq_local, dest_seq_len, dest_seq_offset, region_q, region_k, region_v,
      token_stride_q, token_stride_k, token_stride_v, head_stride_q, head_stride_k,
      head_stride_v) = dest

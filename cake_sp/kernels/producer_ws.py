@@ -3,25 +3,30 @@
 Same contract, tile order and epilogue as ``producer.py`` (the module docstring
 there); only the GEMM mainloop and where the epilogue runs differ.  Triton 3.6
 gives ``tl.dot`` code no warp specialisation on sm_90a, so this kernel spells
-it out in three partitions over ``[128, D]`` tiles:
+it out in three partitions over ``[TILE_M, D]`` tiles:
 
 * *loader* (one warp): walks this program's tiles and streams the ``x`` and
   ``qkv_weight`` blocks by TMA into a ring of ``STAGES`` shared-memory slots
   (``ready`` / ``empty`` mbarriers), running ahead across tile boundaries;
-* *MMA* (``MMA_WARPS``, one warpgroup): async ``wgmma`` over the ring with one group in
-  flight, then writes the fp32 accumulator to a shared-memory tile
-  (``acc_full`` / ``acc_empty`` mbarriers) and starts the next tile's MMAs;
+* *MMA* (``MMA_WARPS``): async ``wgmma`` over the ring with one group in
+  flight, then writes the accumulator to a shared-memory tile (``acc_full`` /
+  ``acc_empty`` mbarriers) and starts the next tile's MMAs;
 * *epilogue* (the launch's warps, the default partition): reads the tile back
-  in a blocked layout and runs :func:`producer_epilogue.deliver_tile` (bias,
-  norm, RoPE, 16-byte stores at every destination, readiness words) while the
-  MMA warpgroup computes the next tile.
+  in ``CHUNK_M``-row chunks in a blocked layout and runs
+  :func:`producer_epilogue.deliver_tile` on each (norm weight, RoPE, 16-byte
+  stores at every destination, one readiness word per chunk and destination)
+  while the MMA warps compute the next tile.
 
-So a tile's epilogue costs the tensor cores only the accumulator's trip
-through shared memory.  The fp32 tile goes through shared memory because the
-contract normalises the unrounded projection.  One accumulator buffer is
-enough: an epilogue takes a small fraction of a tile's MMAs.  The launcher
-picks this kernel for ``mainloop="warp_specialized"``; it never runs in the
-CPU interpreter.
+The hand-off comes in two shapes (``_config.WsTile``).  In general the fp32
+accumulator goes through shared memory, because the contract normalises the
+unrounded projection: 128-row tiles, one MMA warpgroup.  When both norm
+weights are given (``NORM_IN_MMA``), the MMA warps add the bias and take each
+Q/K row's RMS in the wgmma layout themselves, and hand over the bf16 tile the
+contract rounds to at that point anyway (V rows: their bf16 output): half the
+bytes, so 256-row tiles over two warpgroups fit, which read 25 % fewer operand
+bytes per FLOP.  One buffer is enough: an epilogue takes a small fraction of a
+tile's MMAs.  The launcher picks this kernel for ``mainloop="warp_specialized"``;
+it never runs in the CPU interpreter.
 """
 
 from __future__ import annotations
@@ -35,22 +40,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cake_sp.kernels import _config
+from cake_sp.kernels.norm_rope import rms_normalize
 from cake_sp.kernels.producer_epilogue import deliver_tile, tile_coords
-
-BLOCK_M = gl.constexpr(_config.PRODUCER_WS_BLOCK_M)
 
 
 @gluon.constexpr_function
 def _mma_layout(d, warps):
-    """wgmma accumulator layout of a ``[BLOCK_M, d]`` tile over ``warps`` (16 rows each)."""
+    """wgmma accumulator layout of a ``[TILE_M, d]`` tile over ``warps`` (16 rows each)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                      instr_shape=[16, d, 16])
 
 
 @gluon.constexpr_function
 def _epilogue_layout(d, num_warps):
-    """Blocked layout of the epilogue's ``[BLOCK_M, d]`` tile: each thread holds two runs of 8
+    """Blocked layout of the epilogue's ``[CHUNK_M, d]`` chunks: each thread holds two runs of 8
     columns, ``d/2`` apart, so the stores are 16 bytes wide and both RoPE pairings (adjacent
     columns, columns ``d/2`` apart) stay inside a thread; a row spans ``d/16`` lanes."""
     lanes = d // 16
@@ -62,7 +65,8 @@ def _epilogue_layout(d, num_warps):
 def _load_tiles(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_tiles, row_blocks,
                 NUM_Q_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, Q_PER_RANK: gl.constexpr,
                 KV_PER_RANK: gl.constexpr, GROUP_HEADS: gl.constexpr, K_STEPS: gl.constexpr,
-                D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                D: gl.constexpr, TILE_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr):
     """Loader partition: every (tile, K step) of this program, in order, into the ring."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -76,7 +80,7 @@ def _load_tiles(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_tiles, row_blo
             mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot),
                             x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [row_block * BLOCK_M, kk * BLOCK_K],
+            tma.async_copy_global_to_shared(x_desc, [row_block * TILE_M, kk * BLOCK_K],
                                             ready.index(slot), a_bufs.index(slot))
             tma.async_copy_global_to_shared(w_desc, [head * D, kk * BLOCK_K],
                                             ready.index(slot), b_bufs.index(slot))
@@ -84,13 +88,18 @@ def _load_tiles(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_tiles, row_blo
 
 
 @gluon.jit
-def _mma_tiles(a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_empty, num_tiles,
-               K_STEPS: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-    """MMA partition: wgmma over the ring; each finished accumulator into ``acc_smem``."""
+def _mma_tiles(a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_empty, num_tiles, row_blocks,
+               bias_ptr, eps, NUM_Q_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
+               Q_PER_RANK: gl.constexpr, KV_PER_RANK: gl.constexpr, GROUP_HEADS: gl.constexpr,
+               K_STEPS: gl.constexpr, D: gl.constexpr, TILE_M: gl.constexpr,
+               STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, NORM_IN_MMA: gl.constexpr):
+    """MMA partition: wgmma over the ring; each finished accumulator into ``acc_smem`` (fp32,
+    or with ``NORM_IN_MMA`` the bias added, Q/K rows normalised, rounded to bf16)."""
     layout: gl.constexpr = _mma_layout(D, gl.num_warps())
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    acc = gl.zeros((BLOCK_M, D), gl.float32, layout)
+    acc = gl.zeros((TILE_M, D), gl.float32, layout)
     count = 0
     for t in range(gl.cdiv(num_tiles - pid, nprog)):
         for kk in range(K_STEPS):
@@ -107,9 +116,17 @@ def _mma_tiles(a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_empty, num_
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
+        if NORM_IN_MMA:
+            # In place on the accumulator: a second tile of registers would spill.
+            _, head = tile_coords(pid + t * nprog, row_blocks, NUM_Q_HEADS, NUM_KV_HEADS,
+                                  Q_PER_RANK, KV_PER_RANK, GROUP_HEADS)
+            if HAS_BIAS:
+                acc = acc + gl.load(bias_ptr + head * D + cols).to(gl.float32)[None, :]
+            if head < NUM_Q_HEADS + NUM_KV_HEADS:
+                acc = rms_normalize(acc, eps, D)
         # The epilogue has read the previous tile out of the buffer.
         mbarrier.wait(acc_empty, (t & 1) ^ 1)
-        acc_smem.store(acc)
+        acc_smem.store(acc.to(acc_smem.dtype))
         gl.thread_barrier()
         mbarrier.arrive(acc_full)
 
@@ -119,21 +136,23 @@ def _epilogue_tiles(acc_smem, acc_full, acc_empty, num_tiles, row_blocks,
                     bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
                     dest_table_ptr, epoch_ptr, enter_ptr, word_table_ptr, status_ptr,
                     rows, cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len,
-                    dest_seq_offset,
-                    region_q, region_k, region_v, token_stride_q, token_stride_k,
-                    token_stride_v, head_stride_q, head_stride_k, head_stride_v,
+                    dest_seq_offset, region_q, region_k, region_v, token_stride_q,
+                    token_stride_k, token_stride_v, head_stride_q, head_stride_k, head_stride_v,
                     source_rank, max_row_blocks, timeout_ns,
                     NUM_Q_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
                     Q_PER_RANK: gl.constexpr, KV_PER_RANK: gl.constexpr,
                     KV_REPLICAS: gl.constexpr, GROUP_HEADS: gl.constexpr, D: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, HAS_Q_NORM: gl.constexpr, HAS_K_NORM: gl.constexpr,
+                    TILE_M: gl.constexpr, CHUNK_M: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    HAS_Q_NORM: gl.constexpr, HAS_K_NORM: gl.constexpr,
                     HAS_POSITIONS: gl.constexpr, ROPE_STYLE: gl.constexpr,
-                    SIGNAL: gl.constexpr):
-    """Epilogue partition: each accumulator out of ``acc_smem``, then the shared epilogue."""
+                    SIGNAL: gl.constexpr, NORM_IN_MMA: gl.constexpr):
+    """Epilogue partition: each tile out of ``acc_smem`` in ``CHUNK_M``-row chunks, each a
+    readiness row block of its own, through the shared epilogue."""
     layout: gl.constexpr = _epilogue_layout(D, gl.num_warps())
-    tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)).to(gl.int64)
+    chunk_rows = gl.arange(0, CHUNK_M, layout=gl.SliceLayout(1, layout)).to(gl.int64)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     half_cols = gl.arange(0, D // 2, layout=gl.SliceLayout(0, layout))
+    CHUNKS: gl.constexpr = TILE_M // CHUNK_M
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     none = pid.to(gl.int64) * 0
@@ -154,14 +173,18 @@ def _epilogue_tiles(acc_smem, acc_full, acc_empty, num_tiles, row_blocks,
         row_block, head = tile_coords(pid + t * nprog, row_blocks, NUM_Q_HEADS, NUM_KV_HEADS,
                                       Q_PER_RANK, KV_PER_RANK, GROUP_HEADS)
         mbarrier.wait(acc_full, t & 1)
-        acc = acc_smem.load(layout)
+        for c in gl.static_range(CHUNKS):
+            chunk = row_block * CHUNKS + c
+            # Chunks past the call's rows have no readiness word to raise.
+            if chunk * CHUNK_M < rows:
+                acc = acc_smem.slice(c * CHUNK_M, CHUNK_M).load(layout).to(gl.float32)
+                entered, failed = deliver_tile(
+                    acc, chunk, head, chunk * CHUNK_M + chunk_rows, cols, half_cols, entered,
+                    failed, rows, inputs, dest, signals, NUM_Q_HEADS, NUM_KV_HEADS,
+                    Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D, CHUNK_M, HAS_BIAS, HAS_Q_NORM,
+                    HAS_K_NORM, HAS_POSITIONS, ROPE_STYLE, SIGNAL, True, False, NORM_IN_MMA)
         gl.thread_barrier()
         mbarrier.arrive(acc_empty)
-        entered, failed = deliver_tile(
-            acc, row_block, head, row_block * BLOCK_M + tile_rows, cols, half_cols, entered,
-            failed, rows, inputs, dest, signals, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK,
-            KV_PER_RANK, KV_REPLICAS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
-            HAS_POSITIONS, ROPE_STYLE, SIGNAL, True, False)
 
 
 @gluon.jit
@@ -180,15 +203,23 @@ def qkv_produce_ws_kernel(x_desc, w_desc, bias_ptr, q_norm_ptr, k_norm_ptr, cos_
                           GROUP_HEADS: gl.constexpr, HAS_BIAS: gl.constexpr,
                           HAS_Q_NORM: gl.constexpr, HAS_K_NORM: gl.constexpr,
                           HAS_POSITIONS: gl.constexpr, ROPE_STYLE: gl.constexpr,
-                          SIGNAL: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
-                          MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                          SIGNAL: gl.constexpr, TILE_M: gl.constexpr, CHUNK_M: gl.constexpr,
+                          NORM_IN_MMA: gl.constexpr, STAGES: gl.constexpr,
+                          MMA_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
+                          LOADER_REGS: gl.constexpr):
     """``producer._qkv_produce_kernel`` with ``x_desc``/``w_desc`` Gluon tensor descriptors of
-    ``[BLOCK_M, BLOCK_K]`` / ``[D, BLOCK_K]`` blocks (NVMMA shared layouts)."""
-    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    ``[TILE_M, BLOCK_K]`` / ``[D, BLOCK_K]`` blocks (NVMMA shared layouts).  ``CHUNK_M``: rows
+    of a readiness block (the launcher's ``block_m``); ``NORM_IN_MMA`` (both norm weights
+    given): the MMA warps add the bias and normalise, and hand over a bf16 tile."""
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE_M, BLOCK_K], x_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D, BLOCK_K], w_desc.layout)
     # Rows of 16-byte chunks XOR-swizzled by row: the wgmma layout writes 8 rows at once.
-    acc_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D],
-                                         gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
+    if NORM_IN_MMA:
+        acc_smem = gl.allocate_shared_memory(gl.bfloat16, [TILE_M, D],
+                                             gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+    else:
+        acc_smem = gl.allocate_shared_memory(gl.float32, [TILE_M, D],
+                                             gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     acc_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -198,7 +229,7 @@ def qkv_produce_ws_kernel(x_desc, w_desc, bias_ptr, q_norm_ptr, k_norm_ptr, cos_
         mbarrier.init(empty.index(i), count=1)
     mbarrier.init(acc_full, count=1)
     mbarrier.init(acc_empty, count=1)
-    row_blocks = gl.cdiv(rows, BLOCK_M)
+    row_blocks = gl.cdiv(rows, TILE_M)
     num_tiles = row_blocks * (NUM_Q_HEADS + 2 * NUM_KV_HEADS)
     K_STEPS: gl.constexpr = HIDDEN // BLOCK_K
     gl.warp_specialize([
@@ -206,17 +237,18 @@ def qkv_produce_ws_kernel(x_desc, w_desc, bias_ptr, q_norm_ptr, k_norm_ptr, cos_
                            bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
                            dest_table_ptr, epoch_ptr, enter_ptr, word_table_ptr, status_ptr,
                            rows, cos_sin_stride, cos_sin_rows, eps, seq_local, dest_seq_len,
-                           dest_seq_offset,
-                           region_q, region_k, region_v,
+                           dest_seq_offset, region_q, region_k, region_v,
                            token_stride_q, token_stride_k, token_stride_v,
                            head_stride_q, head_stride_k, head_stride_v,
                            source_rank, max_row_blocks, timeout_ns,
                            NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS,
-                           GROUP_HEADS, D, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM, HAS_POSITIONS,
-                           ROPE_STYLE, SIGNAL)),
+                           GROUP_HEADS, D, TILE_M, CHUNK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
+                           HAS_POSITIONS, ROPE_STYLE, SIGNAL, NORM_IN_MMA)),
         (_mma_tiles, (a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_empty, num_tiles,
-                      K_STEPS, D, STAGES)),
+                      row_blocks, bias_ptr, eps, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK,
+                      KV_PER_RANK, GROUP_HEADS, K_STEPS, D, TILE_M, STAGES, HAS_BIAS,
+                      NORM_IN_MMA)),
         (_load_tiles, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_tiles, row_blocks,
                        NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, GROUP_HEADS, K_STEPS,
-                       D, BLOCK_K, STAGES)),
+                       D, TILE_M, BLOCK_K, STAGES)),
     ], [MMA_WARPS, 1], [MMA_REGS, LOADER_REGS])

@@ -328,10 +328,16 @@ WS_CASES = [n for n, c in CASES.items() if c.head_dim in WS_HEAD_DIMS and c.main
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("norm_in_mma", [True, False])
 @pytest.mark.parametrize("name", WS_CASES)
-def test_warp_specialized_mainloop_matches_oracle(name, device, record_property):
-    """The Gluon kernel on the small cases: tail row blocks, one K step, GQA replication."""
+def test_warp_specialized_mainloop_matches_oracle(name, norm_in_mma, device, record_property,
+                                                  monkeypatch):
+    """The Gluon kernel on the small cases: tail row blocks, one K step, GQA replication; the
+    cases with both norms in both tile shapes (``_config.PRODUCER_WS_NORM_IN_MMA``)."""
     case = replace(CASES[name], mainloop="warp_specialized", block_m=None)
+    if not (case.q_norm and case.k_norm) and not norm_in_mma:
+        pytest.skip("without both norm weights the kernel always hands over fp32")
+    monkeypatch.setattr(_config, "PRODUCER_WS_NORM_IN_MMA", norm_in_mma)
     _exchange_and_check(case, device, record_property, seed=len(name) + 1)
 
 
