@@ -32,9 +32,10 @@ tile's fp32 accumulator (``mainloop=``, ``MAINLOOPS``): ``tl.dot`` over pointer
 loads (any target, the CPU interpreter) or over host-built tensor descriptors
 (TMA, sm_90+), both in this module's kernel, and a warp-specialised Gluon kernel
 (``producer_ws.py``, sm_90).  All three finish the tile with
-``producer_epilogue.deliver_tile``.  On an H200 the warp-specialised kernel is
-correct and about even with TMA, within the spread between runs
-(docs/results.md), so the default stays TMA.
+``producer_epilogue.deliver_tile``.  On an H200, with both norm weights, the
+warp-specialised kernel's 256-row tiles take 0.88-1.01x TMA's time at 2,048 rows
+and more but up to 1.20x at 512 (docs/results/producer_and_fmha_sweeps_h200.md,
+sweep 8), and it has not run through the session on a GPU, so the default stays TMA.
 """
 
 from __future__ import annotations
