@@ -236,6 +236,11 @@ def _choose_mainloop(mainloop: str | None, x: torch.Tensor, qkv_weight: torch.Te
     return mainloop
 
 
+def _persistent_grid(rows: int, tile_rows: int, plan: HeadPlan, num_sms: int) -> tuple[int]:
+    """One program per SM at most, and none without a tile."""
+    return (min(triton.cdiv(rows, tile_rows) * plan.total_heads, num_sms),)
+
+
 def _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
                            positions, plan, dest, dest_table, seq_local, dest_seq_offset, eps,
                            signals, bad_positions, block_m) -> None:
@@ -394,7 +399,6 @@ def qkv_norm_rope_produce(
     mainloop = _choose_mainloop(mainloop, x, qkv_weight, d, block_m, on_gpu)
     if num_sms is None:
         num_sms = _sm_count(x.device.index) if on_gpu else _config.PRODUCER_INTERPRET_PROGRAMS
-    num_tiles = triton.cdiv(rows, block_m) * plan.total_heads
     if signals is None:
         signal_args = (None, None, None, None, 0, 0, 0)
     else:
@@ -415,7 +419,6 @@ def qkv_norm_rope_produce(
         HAS_K_NORM=k_norm_weight is not None, HAS_POSITIONS=positions is not None,
         ROPE_STYLE=_rope_code(rope_style), SIGNAL=signals is not None,
         num_warps=_config.PRODUCER_NUM_WARPS)
-    grid = (min(num_tiles, num_sms),)
     if mainloop == "warp_specialized":
         norm_in_mma = (_config.PRODUCER_WS_NORM_IN_MMA and q_norm_weight is not None
                        and k_norm_weight is not None)
@@ -424,8 +427,7 @@ def qkv_norm_rope_produce(
                                                    _nvmma_layout(tile.tile_m, block_k))
         w_desc = GluonTensorDescriptor.from_tensor(qkv_weight, [d, block_k],
                                                    _nvmma_layout(d, block_k))
-        tiles = triton.cdiv(rows, tile.tile_m) * plan.total_heads
-        qkv_produce_ws_kernel[(min(tiles, num_sms),)](
+        qkv_produce_ws_kernel[_persistent_grid(rows, tile.tile_m, plan, num_sms)](
             x_desc, w_desc, *args, **{**constants, "num_warps": tile.epilogue_warps},
             GROUP_HEADS=min(_config.PRODUCER_WS_GROUP_HEADS, plan.total_heads),
             TILE_M=tile.tile_m, CHUNK_M=block_m, NORM_IN_MMA=norm_in_mma, STAGES=tile.stages,
@@ -439,7 +441,7 @@ def qkv_norm_rope_produce(
                                  [d, block_k])
     else:
         x_src, w_src = x, qkv_weight
-    _qkv_produce_kernel[grid](x_src, w_src, *args, **constants, BLOCK_M=block_m,
-                              GROUP_HEADS=min(_config.PRODUCER_GROUP_HEADS, plan.total_heads),
-                              USE_TMA=use_tma, INTERPRET=_config.INTERPRET,
-                              num_stages=_config.PRODUCER_NUM_STAGES)
+    _qkv_produce_kernel[_persistent_grid(rows, block_m, plan, num_sms)](
+        x_src, w_src, *args, **constants, BLOCK_M=block_m,
+        GROUP_HEADS=min(_config.PRODUCER_GROUP_HEADS, plan.total_heads), USE_TMA=use_tma,
+        INTERPRET=_config.INTERPRET, num_stages=_config.PRODUCER_NUM_STAGES)
