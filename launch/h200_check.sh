@@ -38,12 +38,15 @@ PYTEST_SERIAL=(python3 -m pytest -v -p no:cacheprovider -o addopts="-ra" --tb=sh
 PYTEST=("${PYTEST_SERIAL[@]}" ${PYTEST_ARGS:-})
 
 # One line on a stage's log: pytest's final counts, or for a stage cut before them the tests
-# that ended so far, or else the last error line.
+# that ended so far (and the session cases' verdicts, which the ranks print as each case
+# ends, before pytest reads them), or else the last error line.
 stage_result() {
     local log=$1 line
     line=$(grep -E '[0-9]+ (passed|failed|errors?)\b' "$log" | tail -1)
-    if [ -z "$line" ] && grep -qE ' (PASSED|FAILED)' "$log"; then
-        line="cut: $(grep -cE ' PASSED' "$log") passed, $(grep -cE ' FAILED' "$log") failed so far"
+    if [ -z "$line" ] && grep -qE ' (PASSED|FAILED)( |$)|^W=[0-9]+ case_.* s, ' "$log"; then
+        line="cut: $(grep -cE ' PASSED( |$)' "$log") passed, $(grep -cE ' FAILED( |$)' "$log") failed so far"
+        line+="; session cases: $(grep -cE '^W=[0-9]+ case_.* s, passed' "$log") passed,"
+        line+=" $(grep -cE '^W=[0-9]+ case_.* s, FAILED' "$log") FAILED"
     fi
     [ -n "$line" ] || line=$(grep -E 'Error' "$log" | tail -1)
     echo "$line" | cut -c1-110

@@ -5,7 +5,9 @@ spawns its ranks once per world size (``run_cases``) and its tests then read
 the per-case, per-rank reports.  A case is a module-level function
 ``case(ctx) -> dict`` run on every rank; an exception becomes that rank's
 report (``{"error": "...", "type": "ValueError"}``), so one failing case never
-hangs the others.
+hangs the others.  As each case ends, rank 0 prints its time and, given a
+``verdict`` function, that case's verdict: a run cut by a time limit before the
+tests read the reports still shows the verdict of every case it finished.
 
 Where the ranks run is read from the environment:
 
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +50,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, port: int, cases: list, verdict, out_dir: str) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -71,20 +74,30 @@ def _rank_main(rank: int, world: int, port: int, cases: list, out_dir: str) -> N
         except Exception as exc:
             reports[case.__name__] = {"error": str(exc), "type": type(exc).__name__,
                                       "traceback": traceback.format_exc()}
-        # Keep the ranks in step, so an error on one rank shows as that case's report.
-        dist.barrier()
+        # Every rank's report of this case, which also keeps the ranks in step, so an error
+        # on one rank shows as that case's report.
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, reports[case.__name__])
         if rank == 0:  # progress, for runs that a time limit may cut
-            print(f"W={world} {case.__name__}: {time.perf_counter() - start:.1f} s",
-                  file=sys.stderr, flush=True)
+            line = f"W={world} {case.__name__}: {time.perf_counter() - start:.1f} s"
+            if verdict is not None:
+                line += f", {verdict(world, case.__name__, per_rank)}"
+            print(line, file=sys.stderr, flush=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(reports, f)
     dist.destroy_process_group()
 
 
-def run_cases(world: int, cases: list) -> dict[str, list[dict]]:
-    """Run ``cases`` on ``world`` spawned ranks; return ``{case name: [report of each rank]}``."""
+def run_cases(world: int, cases: list,
+              verdict: Callable[[int, str, list[dict]], str] | None = None,
+              ) -> dict[str, list[dict]]:
+    """Run ``cases`` on ``world`` spawned ranks; return ``{case name: [report of each rank]}``.
+
+    ``verdict(world, case name, every rank's report)`` (a module-level function, so the
+    spawned ranks can import it) runs on rank 0 as each case ends; its line is printed.
+    """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(world, _free_port(), cases, out_dir),
+        mp.start_processes(_rank_main, args=(world, _free_port(), cases, verdict, out_dir),
                            nprocs=world, join=True, start_method="spawn")
         per_rank = []
         for rank in range(world):

@@ -400,9 +400,76 @@ def _cases_for(world: int) -> list:
             and (not ONLY_CASES or c.__name__ in ONLY_CASES)]
 
 
+def _ok(world, per_rank, name):
+    for rank, report in enumerate(per_rank):
+        assert "error" not in report, (f"W={world} rank {rank} {name}: {report.get('type')}: "
+                                       f"{report.get('error')}\n{report.get('traceback', '')}")
+
+
+# What each case's reports must show, one function per test below; a case may have several.
+def _check_matches_reference(world, name, per_rank) -> str:
+    _ok(world, per_rank, name)
+    differ = sum(c["differ"] for r in per_rank for c in r["compare"])
+    one_ulp = sum(c["one_ulp"] for r in per_rank for c in r["compare"])
+    elements = sum(c["elements"] for r in per_rank for c in r["compare"])
+    flips = sum(c["intermediate_flips"] for r in per_rank for c in r["compare"])
+    # Elements may only differ where fp32 summation order crossed a bf16 rounding boundary.
+    assert differ <= elements // 100, f"{differ} of {elements} elements differ"
+    for report in per_rank:
+        if "backend" in report:
+            assert report["backend"] == EXPECTED_BACKEND, report["reason"]
+    return (f"{differ} of {elements} elements differ from the reference, {one_ulp} of them by "
+            f"one bf16 ulp, {flips} by an intermediate flip")
+
+
+def _check_timeout(world, name, per_rank) -> str:
+    _ok(world, per_rank, name)
+    if REQUESTED_BACKEND != "nccl":
+        assert all("raised" in r for r in per_rank[:-1]) and per_rank[-1].get("absent")
+    return "every other rank named the absent one"
+
+
+def _check_slot_ring(world, name, per_rank) -> str:
+    _ok(world, per_rank, name)
+    assert all(r["reused_after_two_calls"] for r in per_rank)
+    return "slots reused after two calls"
+
+
+def _check_bad_configuration(world, name, per_rank) -> str:
+    _ok(world, per_rank, name)
+    # Every rank raised the same error for each bad configuration.
+    for bad in per_rank[0]:
+        assert len({r[bad]["message"] for r in per_rank}) == 1, bad
+    return "every rank raised the same errors"
+
+
+def _check_lifecycle(world, name, per_rank) -> str:
+    _ok(world, per_rank, name)
+    return "closed twice, then a call raised"
+
+
+CHECKS = {case.__name__: [_check_matches_reference] for case in RESULT_CASES}
+CHECKS[case_slot_ring_keeps_earlier_outputs.__name__].append(_check_slot_ring)
+CHECKS[case_gpu_wait_timeout_names_the_absent_rank.__name__] = [_check_timeout]
+CHECKS[case_bad_configuration_raises_everywhere.__name__] = [_check_bad_configuration]
+CHECKS[case_lifecycle.__name__] = [_check_lifecycle]
+
+
+def case_verdict(world: int, name: str, per_rank: list[dict]) -> str:
+    """One case's verdict from every rank's report, by the same checks as its tests, for the
+    line ``run_cases`` prints as the case ends."""
+    if all("skipped" in r for r in per_rank):
+        return f"skipped: {per_rank[0]['skipped']}"
+    try:
+        details = [check(world, name, per_rank) for check in CHECKS[name]]
+    except Exception as exc:  # a verdict never stops the run; the tests report in full
+        return f"FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+    return "passed: " + "; ".join(details)
+
+
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
 def reports(request):
-    return request.param, run_cases(request.param, _cases_for(request.param))
+    return request.param, run_cases(request.param, _cases_for(request.param), case_verdict)
 
 
 def _reports_of(by_case: dict, name: str) -> list[dict]:
@@ -413,63 +480,57 @@ def _reports_of(by_case: dict, name: str) -> list[dict]:
     return by_case[name]
 
 
-def _ok(world, per_rank, name):
-    for rank, report in enumerate(per_rank):
-        assert "error" not in report, (f"W={world} rank {rank} {name}: {report.get('type')}: "
-                                       f"{report.get('error')}\n{report.get('traceback', '')}")
-
-
 @pytest.mark.parametrize("case", RESULT_CASES, ids=lambda c: c.__name__[5:])
 def test_every_rank_matches_the_reference(reports, case):
     world, by_case = reports
     if case.__name__ in GPU_CASES and TEST_DEVICE == "cpu":
         pytest.skip("needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared)")
-    per_rank = _reports_of(by_case, case.__name__)
-    _ok(world, per_rank, case.__name__)
-    differ = sum(c["differ"] for r in per_rank for c in r["compare"])
-    one_ulp = sum(c["one_ulp"] for r in per_rank for c in r["compare"])
-    elements = sum(c["elements"] for r in per_rank for c in r["compare"])
-    flips = sum(c["intermediate_flips"] for r in per_rank for c in r["compare"])
-    print(f"W={world} {case.__name__}: {differ} of {elements} elements differ from the "
-          f"reference, {one_ulp} of them by one bf16 ulp, {flips} by an intermediate flip")
-    # Elements may only differ where fp32 summation order crossed a bf16 rounding boundary.
-    assert differ <= elements // 100, f"{differ} of {elements} elements differ"
-    for report in per_rank:
-        if "backend" in report:
-            assert report["backend"] == EXPECTED_BACKEND, report["reason"]
+    summary = _check_matches_reference(world, case.__name__, _reports_of(by_case, case.__name__))
+    print(f"W={world} {case.__name__}: {summary}")
 
 
 def test_wait_timeout_names_the_absent_rank(reports):
     world, by_case = reports
     if TEST_DEVICE == "cpu":
         pytest.skip("needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared)")
-    per_rank = _reports_of(by_case, "case_gpu_wait_timeout_names_the_absent_rank")
-    _ok(world, per_rank, "timeout")
-    if REQUESTED_BACKEND != "nccl":
-        assert all("raised" in r for r in per_rank[:-1]) and per_rank[-1].get("absent")
+    name = case_gpu_wait_timeout_names_the_absent_rank.__name__
+    _check_timeout(world, name, _reports_of(by_case, name))
 
 
 def test_slot_ring_reuse(reports):
     world, by_case = reports
-    per_rank = _reports_of(by_case, "case_slot_ring_keeps_earlier_outputs")
-    _ok(world, per_rank, "slot ring")
-    assert all(r["reused_after_two_calls"] for r in per_rank)
+    name = case_slot_ring_keeps_earlier_outputs.__name__
+    _check_slot_ring(world, name, _reports_of(by_case, name))
 
 
 def test_bad_configuration_raises_on_every_rank(reports):
     world, by_case = reports
-    per_rank = _reports_of(by_case, "case_bad_configuration_raises_everywhere")
-    _ok(world, per_rank, "bad configuration")
-    # Every rank raised the same error for each bad configuration.
-    for name in per_rank[0]:
-        assert len({r[name]["message"] for r in per_rank}) == 1, name
+    name = case_bad_configuration_raises_everywhere.__name__
+    _check_bad_configuration(world, name, _reports_of(by_case, name))
 
 
 def test_lifecycle_and_backend_reason(reports):
     world, by_case = reports
-    per_rank = _reports_of(by_case, "case_lifecycle")
-    _ok(world, per_rank, "lifecycle")
+    _check_lifecycle(world, case_lifecycle.__name__, _reports_of(by_case, case_lifecycle.__name__))
     reason = _reports_of(by_case, "case_mha_bshd_interleaved")[0]["reason"]
     print(f"W={world} backend reason: {reason}")
     if TEST_DEVICE == "cpu" and REQUESTED_BACKEND == "auto":
         assert "not a CUDA GPU" in reason
+
+
+def test_case_verdict_names_failures():
+    """The progress line's verdict fails where the tests would: an error on one rank, too many
+    differing elements, a rank that disagrees about a bad configuration."""
+    good = {"compare": [{"differ": 1, "one_ulp": 1, "elements": 1000, "intermediate_flips": 0}]}
+    name = case_mha_bshd_interleaved.__name__
+    assert case_verdict(2, name, [good, good]).startswith("passed: 2 of 2000")
+    error = {"error": "boom", "type": "RuntimeError"}
+    assert case_verdict(2, name, [good, error]).startswith("FAILED: AssertionError: W=2 rank 1")
+    many = {"compare": [{"differ": 30, "one_ulp": 0, "elements": 1000, "intermediate_flips": 0}]}
+    assert case_verdict(2, name, [many, good]) == ("FAILED: AssertionError: 31 of 2000 "
+                                                   "elements differ")
+    bad = case_bad_configuration_raises_everywhere.__name__
+    assert case_verdict(2, bad, [{"x": {"message": "a"}}, {"x": {"message": "b"}}]).startswith(
+        "FAILED")
+    assert case_verdict(2, bad, [{"x": {"message": "a"}}] * 2).startswith("passed")
+    assert case_verdict(2, name, [{"skipped": "GPU only"}] * 2) == "skipped: GPU only"
