@@ -448,11 +448,14 @@ def _check_lifecycle(world, name, per_rank) -> str:
     return "closed twice, then a call raised"
 
 
-CHECKS = {case.__name__: [_check_matches_reference] for case in RESULT_CASES}
-CHECKS[case_slot_ring_keeps_earlier_outputs.__name__].append(_check_slot_ring)
-CHECKS[case_gpu_wait_timeout_names_the_absent_rank.__name__] = [_check_timeout]
-CHECKS[case_bad_configuration_raises_everywhere.__name__] = [_check_bad_configuration]
-CHECKS[case_lifecycle.__name__] = [_check_lifecycle]
+CHECKS = {
+    **{case.__name__: [_check_matches_reference] for case in RESULT_CASES},
+    case_slot_ring_keeps_earlier_outputs.__name__: [_check_matches_reference, _check_slot_ring],
+    case_gpu_wait_timeout_names_the_absent_rank.__name__: [_check_timeout],
+    case_bad_configuration_raises_everywhere.__name__: [_check_bad_configuration],
+    case_lifecycle.__name__: [_check_lifecycle],
+}
+assert set(CHECKS) == {case.__name__ for case in CASES}, "every case needs its checks"
 
 
 def case_verdict(world: int, name: str, per_rank: list[dict]) -> str:
