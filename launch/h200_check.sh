@@ -43,10 +43,11 @@ PYTEST=("${PYTEST_SERIAL[@]}" ${PYTEST_ARGS:-})
 stage_result() {
     local log=$1 line
     line=$(grep -E '[0-9]+ (passed|failed|errors?)\b' "$log" | tail -1)
-    if [ -z "$line" ] && grep -qE ' (PASSED|FAILED)( |$)|^W=[0-9]+ case_.* s, ' "$log"; then
+    # A verdict may follow pytest's test name on the same line (-v -s), so it is not anchored.
+    if [ -z "$line" ] && grep -qE ' (PASSED|FAILED)( |$)|W=[0-9]+ case_.* s, ' "$log"; then
         line="cut: $(grep -cE ' PASSED( |$)' "$log") passed, $(grep -cE ' FAILED( |$)' "$log") failed so far"
-        line+="; session cases: $(grep -cE '^W=[0-9]+ case_.* s, passed' "$log") passed,"
-        line+=" $(grep -cE '^W=[0-9]+ case_.* s, FAILED' "$log") FAILED"
+        line+="; session cases: $(grep -cE 'W=[0-9]+ case_.* s, passed' "$log") passed,"
+        line+=" $(grep -cE 'W=[0-9]+ case_.* s, FAILED' "$log") FAILED"
     fi
     [ -n "$line" ] || line=$(grep -E 'Error' "$log" | tail -1)
     echo "$line" | cut -c1-110
