@@ -120,6 +120,23 @@ def make_call(case: FmhaCase, device: torch.device, seed: int = 0) -> dict:
     return kwargs
 
 
+def poison_unowned_slots(case: FmhaCase, kw: dict) -> None:
+    """NaN into every K and V cache slot that no request's keys occupy (through its own page
+    table): the slots past each request's length in its last page, and whole unused pages."""
+    kv = kw["kv_cache"]
+    caches = kv if isinstance(kv, tuple) else (kv[:, 0], kv[:, 1])
+    tables = kw["block_tables"].cpu()
+    for cache, table in zip(caches, (tables, tables) if tables.ndim == 2 else tables.unbind(1)):
+        host = cache.cpu()
+        by_slot = host.transpose(1, 2) if case.kv_layout == "HND" else host  # [pages, ps, ...]
+        owned = torch.zeros(by_slot.shape[:2], dtype=torch.bool)
+        for b, kv_len in enumerate(case.kv_lens):
+            for n in range(kv_len):
+                owned[int(table[b, n // case.page_size]), n % case.page_size] = True
+        by_slot[~owned] = float("nan")
+        cache.copy_(host)
+
+
 def call(case: FmhaCase, kwargs: dict):
     """Run the public function of ``case.op`` on ``kwargs``."""
     fn = cake_sp.batch_decode_with_kv_cache if case.op == "decode" else \
@@ -144,6 +161,8 @@ def oracle_fp64(case: FmhaCase, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
     t = 0
     for b, (q_len, kv_len) in enumerate(zip(case.q_lens, case.kv_lens, strict=True)):
+        if q_len == 0:  # a request with no query tokens has no output rows (nor, maybe, keys)
+            continue
         # Key n of request b: slot n % ps of page table[b, n // ps]; heads repeated per group.
         k = torch.stack([k_all[int(k_tab[b, n // ps]), :, n % ps] for n in range(kv_len)])
         v = torch.stack([v_all[int(v_tab[b, n // ps]), :, n % ps] for n in range(kv_len)])

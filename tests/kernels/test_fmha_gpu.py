@@ -9,6 +9,8 @@ import pytest
 import torch
 from _fmha_cases import TOLERANCES, FmhaCase, assert_matches, call, make_call, shape_grid
 
+from cake_sp.kernels.fmha import tuning
+
 pytestmark = pytest.mark.gpu
 
 
@@ -40,11 +42,18 @@ REAL = [
              kv_lens=(3000,), q_lens=(3000,), causal=False, window_left=512, sinks=True),
     FmhaCase(op="context", num_kv_heads=4, group=2, head_dim=256, page_size=64,
              kv_lens=(2048, 64), q_lens=(1024, 64), kv_layout="NHD"),
+    # Served by the warp-specialised kernel on sm_90 (context_ws.serves).
+    FmhaCase(op="context", num_kv_heads=8, group=4, head_dim=128, page_size=64,
+             kv_lens=(4096, 1500, 2600), q_lens=(4096, 700, 2600)),
 ]
 
 
+@pytest.mark.parametrize("warp_specialized", [True, False])
 @pytest.mark.parametrize("case", REAL, ids=FmhaCase.label)
-def test_real_shapes(case, monkeypatch):
+def test_real_shapes(case, warp_specialized, monkeypatch):
+    """Also with the warp-specialised context kernel off, so the tl.dot kernel stays tested
+    on the calls the other one serves."""
+    monkeypatch.setattr(tuning, "CONTEXT_WARP_SPECIALIZED", warp_specialized)
     _triton_vs_compat(case, monkeypatch, 1)
 
 

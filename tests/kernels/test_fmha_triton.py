@@ -21,6 +21,7 @@ from _fmha_cases import (
     make_call,
     one_thread,
     oracle_fp64,
+    poison_unowned_slots,
     shape_grid,
 )
 
@@ -74,20 +75,6 @@ def test_triton_route_matches_compat(case, device, monkeypatch):
     assert_matches(case, kw, result, ref_kw["out"], ref_kw["lse"])
 
 
-def _poison_unowned_slots(case, kw):
-    """NaN into every cache slot that no request's keys occupy: the slots past each
-    request's length in its last page, and whole unused pages."""
-    kv = kw["kv_cache"].cpu()
-    by_slot = kv.permute(0, 3, 1, 2, 4) if case.kv_layout == "HND" else kv.permute(0, 2, 1, 3, 4)
-    owned = torch.zeros(by_slot.shape[:2], dtype=torch.bool)
-    table = kw["block_tables"].cpu()
-    for b, kv_len in enumerate(case.kv_lens):
-        for n in range(kv_len):
-            owned[int(table[b, n // case.page_size]), n % case.page_size] = True
-    by_slot[~owned] = float("nan")
-    kw["kv_cache"].copy_(kv)
-
-
 @pytest.mark.parametrize("case", [
     # Key tiles inside one page (TMA where the GPU has it; the interpreter emulates it).
     FmhaCase(op="context", kv_lens=(37, 16), q_lens=(37, 9), lse=True),
@@ -99,7 +86,7 @@ def _poison_unowned_slots(case, kw):
 def test_unowned_cache_slots_never_reach_the_output(case, device, monkeypatch):
     monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")
     kw = make_call(case, device, seed=zlib.crc32(case.label().encode()))
-    _poison_unowned_slots(case, kw)
+    poison_unowned_slots(case, kw)
     ref_out, ref_lse = oracle_fp64(case, kw)
     assert_matches(case, kw, call(case, kw), ref_out, ref_lse)
 

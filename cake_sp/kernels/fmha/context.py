@@ -7,7 +7,9 @@ blocks start at their first query's window, so masked tiles are never read.
 Only the key tiles on the causal diagonal (or at the ends of a window or of
 the request) apply masks.  When a key tile lies inside one page and the cache
 strides allow, K and V tiles arrive by TMA (a 2-D descriptor over the
-cache's rows); otherwise by pointer loads.
+cache's rows); otherwise by pointer loads.  On sm_90 the calls that
+``context_ws.serves`` (bf16, D 64/128, no window, sinks or LSE) take the
+warp-specialised Gluon kernel of ``context_ws.py`` instead, same semantics.
 
 Pseudo-code it equals (query token ``i`` of request ``b``, head ``h``,
 ``q_pos = kv_len_b - q_len_b + i``: the last query aligns with the last key)::
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from cake_sp.kernels._config import INTERPRET
+from cake_sp.kernels._config import INTERPRET, wgmma_supported
 from cake_sp.kernels.fmha import tuning
 from cake_sp.kernels.fmha.manifest import ensure_sources_verified
 from cake_sp.kernels.fmha.problem import PagedAttention
@@ -35,6 +37,11 @@ from cake_sp.kernels.fmha.tiles import (
     store_out,
     unmasked_end,
 )
+
+try:  # Gluon's Hopper API as of Triton 3.6; without it every call takes the tl.dot kernel
+    from cake_sp.kernels.fmha import context_ws
+except ImportError:
+    context_ws = None
 
 
 @triton.jit
@@ -143,9 +150,19 @@ def _tma_fits(p: PagedAttention, block_n: int) -> bool:
     return True
 
 
+def _warp_specialized_fits(p: PagedAttention) -> bool:
+    """Whether ``p`` takes ``context_ws``: an sm_90 GPU, a call it serves, TMA-readable caches."""
+    return (context_ws is not None and tuning.CONTEXT_WARP_SPECIALIZED and not INTERPRET
+            and p.query.device.type == "cuda" and wgmma_supported(p.query.device.index)
+            and context_ws.serves(p) and _tma_fits(p, context_ws.box_rows(p.page_size)))
+
+
 def context_triton(p: PagedAttention) -> None:
     """Run ``p`` (a context call, ``p.cu_q`` set) on the paged prefill kernel."""
     ensure_sources_verified()
+    if _warp_specialized_fits(p):
+        context_ws.context_ws(p)
+        return
     _, num_heads, head_dim = p.query.shape
     block_n = tuning.context_block_n(head_dim, p.page_size)
     use_tma = _tma_fits(p, block_n)

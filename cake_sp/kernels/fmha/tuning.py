@@ -55,6 +55,13 @@ def decode_block_n(kv_element_size: int, head_dim: int) -> int:
 CONTEXT_USE_TMA = True
 
 
+# The warp-specialised Gluon kernel (context_ws.py) for the calls it serves on sm_90.  Causal,
+# GQA 32/8, D = 128 on an H200, T = 4k-64k: 423-492 TFLOP/s against 414-470 for the tl.dot
+# kernel in the same run (docs/results.md, the FMHA section).  Tests switch it off to reach
+# the tl.dot kernel on those calls.
+CONTEXT_WARP_SPECIALIZED = True
+
+
 def context_tma_available(device: torch.device) -> bool:
     """Whether the context kernel may read K/V tiles by TMA on ``device``."""
     if INTERPRET:

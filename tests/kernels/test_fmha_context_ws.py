@@ -1,0 +1,105 @@
+"""The warp-specialised context kernel (``context_ws``): which calls it serves (host, any
+machine), and on an sm_90 GPU its output against the fp64 oracle with NaN in every cache
+slot no request owns."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import pytest
+import torch
+from _fmha_cases import (
+    FmhaCase,
+    assert_matches,
+    call,
+    make_call,
+    oracle_fp64,
+    poison_unowned_slots,
+)
+
+from cake_sp.kernels.fmha import api, context_ws, tuning
+
+SERVED = FmhaCase(op="context", head_dim=128, page_size=128, kv_lens=(300, 5), q_lens=(300, 5))
+
+
+def _problem(case: FmhaCase, **overrides):
+    """The validated ``PagedAttention`` of ``case``'s call on the CPU (nothing runs)."""
+    kw = make_call(case, torch.device("cpu"))
+    kw.update(overrides)
+    kw["cu_q"] = kw.pop("cum_seq_lens_q")
+    for unused in ("cum_seq_lens_kv", "max_kv_len", "batch_size"):
+        kw.pop(unused)
+    problem, _ = api._prepare(
+        "context", kw.pop("query"), kw.pop("kv_cache"), kw.pop("workspace_buffer"),
+        kw.pop("block_tables"), kw.pop("seq_lens"), max_kv_len=max(case.kv_lens),
+        out_dtype=None, return_lse=False, q_len_per_req=0, batch_size=None, **kw)
+    return problem
+
+
+@pytest.mark.parametrize(("change", "served"), [
+    ({}, True),
+    ({"head_dim": 64}, True),
+    ({"page_size": 16}, True),            # 8 TMA copies a tile
+    ({"page_size": 384}, True),           # 3 tiles a page
+    ({"split_tables": True}, True),
+    ({"causal": False}, True),
+    ({"head_dim": 256}, False),
+    ({"q_dtype": torch.float16}, False),
+    ({"fp8_kv": True}, False),
+    ({"window_left": 8}, False),
+    ({"sinks": True}, False),
+    ({"lse": True}, False),
+    ({"page_size": 8}, False),            # 16 copies a tile
+    ({"page_size": 48}, False),           # neither divides the other
+])
+def test_serves(change, served):
+    case = dataclasses.replace(SERVED, **change)
+    assert context_ws.serves(_problem(case)) is served
+
+
+def test_serves_needs_query_tokens():
+    empty = dataclasses.replace(SERVED, kv_lens=(3, 0), q_lens=(0, 0))
+    assert not context_ws.serves(_problem(empty))
+
+
+def test_serves_needs_a_contiguous_query():
+    base = make_call(SERVED, torch.device("cpu"))
+    strided = torch.empty(*base["query"].shape[:2], 256, dtype=torch.bfloat16)[..., :128]
+    strided.copy_(base["query"])
+    assert not context_ws.serves(_problem(SERVED, query=strided, out=torch.empty_like(strided)))
+
+
+GPU_CASES = [
+    # One tile a page; several tiles a page; several pages a tile (one TMA copy each).
+    FmhaCase(op="context", num_kv_heads=8, group=4, head_dim=128, page_size=128,
+             kv_lens=(700, 129, 1), q_lens=(700, 1, 1)),
+    FmhaCase(op="context", num_kv_heads=2, group=8, head_dim=128, page_size=256,
+             kv_lens=(600, 300), q_lens=(450, 300), causal=False),
+    FmhaCase(op="context", num_kv_heads=4, group=2, head_dim=64, page_size=16,
+             kv_lens=(777, 40, 17), q_lens=(500, 40, 3), split_tables=True),
+    FmhaCase(op="context", num_kv_heads=1, group=16, head_dim=128, page_size=32,
+             kv_lens=(300, 64), q_lens=(129, 64), tuple_kv=True),
+    FmhaCase(op="context", num_kv_heads=2, group=1, head_dim=64, page_size=64,
+             kv_lens=(1000, 0), q_lens=(200, 0), causal=False),
+    # Fewer query tokens than one 128-row Q box (TMA fills the rest with zeros).
+    FmhaCase(op="context", num_kv_heads=2, group=2, head_dim=128, page_size=16,
+             kv_lens=(40, 17), q_lens=(20, 3)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=FmhaCase.label)
+def test_matches_the_oracle_and_never_reads_unowned_slots(case, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialised kernel is sm_90 only")
+    ran = []
+    real = context_ws.context_ws
+    monkeypatch.setattr(context_ws, "context_ws", lambda p: (ran.append(p), real(p)))
+    monkeypatch.setattr(tuning, "CONTEXT_WARP_SPECIALIZED", True)
+    monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")
+    kw = make_call(case, torch.device("cuda"), seed=zlib.crc32(case.label().encode()))
+    poison_unowned_slots(case, kw)
+    ref_out, ref_lse = oracle_fp64(case, kw)
+    assert_matches(case, kw, call(case, kw), ref_out, ref_lse)
+    assert len(ran) == 1, "the call did not take the warp-specialised kernel"
