@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from cake_sp.kernels._config import INTERPRET, wgmma_supported
 from cake_sp.kernels.fmha import tuning
 from cake_sp.kernels.fmha.manifest import ensure_sources_verified
-from cake_sp.kernels.fmha.problem import PagedAttention
+from cake_sp.kernels.fmha.problem import PagedAttention, cache_rows
 from cake_sp.kernels.fmha.tiles import (
     LOG2E,
     attend_key_range,
@@ -119,19 +119,12 @@ def _kv_source(cache: torch.Tensor, block_n: int, use_tma: bool) -> tuple:
     takes a 2-D descriptor over rows of ``D`` values spaced by the slot stride,
     so pages and KV heads become row offsets (see ``tiles.load_key_tile``).
     """
-    stride_page, stride_head, stride_slot, _ = cache.stride()
     if not use_tma:
-        return cache, stride_head, 0
-    desc = TensorDescriptor(cache, [_descriptor_rows(cache), cache.shape[3]], [stride_slot, 1],
+        return cache, cache.stride(1), 0
+    rows, head_rows, page_rows = cache_rows(cache)
+    desc = TensorDescriptor(cache, [rows, cache.shape[3]], [cache.stride(2), 1],
                             [block_n, cache.shape[3]])
-    return desc, stride_head // stride_slot, stride_page // stride_slot
-
-
-def _descriptor_rows(cache: torch.Tensor) -> int:
-    """Rows of ``D`` values, ``stride_slot`` apart, from the cache's first row to its last."""
-    stride_page, stride_head, stride_slot, _ = cache.stride()
-    pages, heads, page_size, _ = cache.shape
-    return ((pages - 1) * stride_page + (heads - 1) * stride_head) // stride_slot + page_size
+    return desc, head_rows, page_rows
 
 
 def _tma_fits(p: PagedAttention, block_n: int) -> bool:
@@ -145,7 +138,7 @@ def _tma_fits(p: PagedAttention, block_n: int) -> bool:
         size = cache.element_size()
         if (last != 1 or stride_page % stride_slot or stride_head % stride_slot
                 or (stride_slot * size) % 16 or cache.data_ptr() % 16
-                or _descriptor_rows(cache) >= 2**31):
+                or cache_rows(cache)[0] >= 2**31):
             return False
     return True
 

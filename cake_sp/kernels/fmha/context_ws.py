@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from cake_sp.kernels.fmha.problem import PagedAttention
+from cake_sp.kernels.fmha.problem import PagedAttention, cache_rows
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -276,11 +276,11 @@ def _rows_descriptor(cache: torch.Tensor, box: int) -> tuple[TensorDescriptor, i
     """``(descriptor, head_rows, page_rows)``: a 2-D descriptor over ``cache``'s
     (``[pages, Hkv, page_size, D]``) rows of ``D`` values, ``box``-row boxes, and where a
     page and a KV head start in it (``context._tma_fits`` has checked the strides)."""
-    stride_page, stride_head, stride_slot, _ = cache.stride()
-    pages, heads, page_size, d = cache.shape
-    rows = ((pages - 1) * stride_page + (heads - 1) * stride_head) // stride_slot + page_size
-    desc = TensorDescriptor(cache, [rows, d], [stride_slot, 1], [box, d], _shared_layout(box, d))
-    return desc, stride_head // stride_slot, stride_page // stride_slot
+    rows, head_rows, page_rows = cache_rows(cache)
+    d = cache.shape[3]
+    desc = TensorDescriptor(cache, [rows, d], [cache.stride(2), 1], [box, d],
+                            _shared_layout(box, d))
+    return desc, head_rows, page_rows
 
 
 def box_rows(page_size: int) -> int:

@@ -83,3 +83,15 @@ class PagedAttention:
     @property
     def group(self) -> int:
         return self.query.shape[1] // self.k_cache.shape[1]
+
+
+def cache_rows(cache: torch.Tensor) -> tuple[int, int, int]:
+    """``(rows, head_rows, page_rows)`` of ``cache`` ``[pages, Hkv, page_size, D]`` read as
+    rows of ``D`` values, one slot stride apart (how a 2-D TMA descriptor addresses it): the
+    rows from the cache's first to its last, and the rows between two KV heads and between
+    two pages.  Exact where the page and head strides are whole numbers of slot strides,
+    which the callers check before they build a descriptor."""
+    stride_page, stride_head, stride_slot, _ = cache.stride()
+    pages, heads, page_size, _ = cache.shape
+    rows = ((pages - 1) * stride_page + (heads - 1) * stride_head) // stride_slot + page_size
+    return rows, stride_head // stride_slot, stride_page // stride_slot
