@@ -81,6 +81,8 @@ def test_triton_route_matches_compat(case, device, monkeypatch):
     FmhaCase(op="context", kv_lens=(37, 16), q_lens=(20, 9), causal=False, kv_layout="NHD"),
     # Key tiles spanning pages.
     FmhaCase(op="context", kv_lens=(37, 16), q_lens=(20, 9), page_size=5),
+    # Requests without query tokens, with and without cached keys, between others.
+    FmhaCase(op="context", kv_lens=(37, 0, 12, 16), q_lens=(20, 0, 0, 9)),
     FmhaCase(kv_lens=(37, 16, 1), q_lens=(1, 1, 1), lse=True),
 ], ids=FmhaCase.label)
 def test_unowned_cache_slots_never_reach_the_output(case, device, monkeypatch):
