@@ -70,14 +70,9 @@ PRODUCER_MAINLOOPS: tuple[str, ...] = ("tma", "pointer")
 #   tiles, two warpgroups, a bf16 hand-off (64 KiB) beside 3 ring slots of 48 KiB;
 #   168 MMA registers leave 136 to 4 epilogue warps, no spills.  On an H200 (sweep 8 of
 #   docs/results/producer_and_fmha_sweeps_h200.md) 0.88-1.01x the TMA mainloop's time at
-#   2,048 rows and more, 1.05-1.20x at 512: the launcher's default stays TMA; the
-#   session takes this kernel from PRODUCER_WS_MIN_ROWS rows (below).
+#   2,048 rows and more, 1.05-1.20x at 512: not yet the default.
 PRODUCER_WS_CHUNK_M: int = 64
 PRODUCER_WS_NORM_IN_MMA: bool = True
-# The session's NVLink path takes the warp-specialised kernel for calls of at least this many
-# rows, where it can: on an H200 at e5876b8 it took 0.86-1.03x the TMA mainloop's time at
-# 2,048 rows and more (faster on 13 of 15 rows) and 1.02-1.19x at 512 (docs/results.md).
-PRODUCER_WS_MIN_ROWS: int = 2048
 
 
 @dataclass(frozen=True)

@@ -214,20 +214,14 @@ def _nvmma_layout(rows: int, block_k: int):
     return gl.NVMMASharedLayout.get_default_for([rows, block_k], gl.bfloat16)
 
 
-def warp_specialized_available(device: torch.device, head_dim: int) -> bool:
-    """Whether the warp-specialised mainloop can run on ``device`` for heads of ``head_dim``
-    (sm_90, Gluon importable, ``D`` in ``WS_HEAD_DIMS``; never in the interpreter)."""
-    return (qkv_produce_ws_kernel is not None and device.type == "cuda" and not _config.INTERPRET
-            and _config.wgmma_supported(device.index) and head_dim in WS_HEAD_DIMS)
-
-
 def _choose_mainloop(mainloop: str | None, x: torch.Tensor, qkv_weight: torch.Tensor, d: int,
                      block_m: int, on_gpu: bool) -> str:
     """The mainloop to launch: ``mainloop`` checked, or the default (see the launcher)."""
     allowed = ["pointer"]
     if _config.INTERPRET or (on_gpu and _config.tma_supported(x.device.index)):
         allowed.append("tma")  # the interpreter emulates tensor descriptors
-    if warp_specialized_available(x.device, d) and block_m == _config.PRODUCER_WS_CHUNK_M:
+    if (qkv_produce_ws_kernel is not None and on_gpu and _config.wgmma_supported(x.device.index)
+            and d in WS_HEAD_DIMS and block_m == _config.PRODUCER_WS_CHUNK_M):
         allowed.append("warp_specialized")
     if mainloop is None:
         mainloop = next(m for m in _config.PRODUCER_MAINLOOPS if m in allowed)

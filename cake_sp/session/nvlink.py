@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from cake_sp.kernels import _config
-from cake_sp.kernels.producer import qkv_norm_rope_produce, warp_specialized_available
+from cake_sp.kernels.producer import qkv_norm_rope_produce
 from cake_sp.kernels.signals import (
     STATUS_ENTER_TIMEOUT,
     STATUS_READY_TIMEOUT,
@@ -54,14 +54,11 @@ class NvlinkExchange:
 
     def __init__(self, heap, plan: HeadPlan, *, layout: str, max_tokens: int, num_slots: int,
                  device: torch.device, eps: float, rope_style: int,
-                 wait_timeout_s: float, warp_specialized: bool = True) -> None:
+                 wait_timeout_s: float) -> None:
         world, rank = heap.world_size, heap.rank
         self._heap, self._plan, self._rank = heap, plan, rank
         self._eps, self._rope_style = eps, rope_style
-        # Every rank must tile a call alike (a destination waits on the row blocks its
-        # sources publish), so the caller passes what every rank can run.
-        self._warp_specialized = (warp_specialized
-                                  and warp_specialized_available(device, plan.head_dim))
+        self._block_m = _config.producer_block_m(plan.head_dim)
         self._timeout_ns = int(wait_timeout_s * 1e9)
         slot_elements = DestLayout.buffer_elements(plan, max_tokens * world)
         slots = heap.alloc(num_slots * slot_elements, torch.bfloat16)
@@ -71,11 +68,7 @@ class NvlinkExchange:
                    for s in range(num_slots)]
         self.slots = SlotRing(plan, layout=layout, max_tokens=max_tokens, buffers=buffers,
                               tables=tables)
-        # Sized for the smaller row blocks: a call of larger ones uses the first words of
-        # each (source, head) run, and epochs only grow, so a word left from a call tiled
-        # otherwise never reads as ready.
-        smallest_block_m = min(self._tiling(1)[1], self._tiling(max_tokens)[1])
-        self._readiness = ReadinessLayout.for_plan(plan, max_tokens, smallest_block_m)
+        self._readiness = ReadinessLayout.for_plan(plan, max_tokens, self._block_m)
         self._words = heap.alloc(self._readiness.words, torch.int64)
         self._enter = heap.alloc(world, torch.int64)
         # Words only grow from 0; every rank zeroes its own before any peer may write.
@@ -91,12 +84,6 @@ class NvlinkExchange:
             source_rank=rank, readiness=self._readiness, status=self._status,
             timeout_ns=self._timeout_ns)
 
-    def _tiling(self, rows: int) -> tuple[str | None, int]:
-        """``(mainloop, block_m)`` of a call of ``rows`` rows (None: the launcher's default)."""
-        if self._warp_specialized and rows >= _config.PRODUCER_WS_MIN_ROWS:
-            return "warp_specialized", _config.PRODUCER_WS_CHUNK_M
-        return None, _config.producer_block_m(self._plan.head_dim)
-
     # The three phases are separate so that in-process virtual ranks, which share
     # one stream, can run every rank's arrive before any rank's producer.
 
@@ -109,22 +96,19 @@ class NvlinkExchange:
 
     def produce(self, call: CallInputs, slot: int) -> None:
         """Project, normalise and rotate; store every head band into its destination's slot."""
-        mainloop, block_m = self._tiling(call.rows)
         qkv_norm_rope_produce(
             call.x2d, call.qkv_weight, call.qkv_bias, call.q_norm_weight, call.k_norm_weight,
             call.rope_cos_sin, call.positions, plan=self._plan,
             dest=self.slots.layout(call.seq_global), dest_table=self.slots.table(slot),
             seq_local=call.seq_local, dest_seq_offset=self._rank * call.seq_local,
             eps=self._eps, rope_style=self._rope_style, signals=self._signals,
-            bad_positions=self._bad_positions.count, block_m=block_m, mainloop=mainloop,
-            validate=False)
+            bad_positions=self._bad_positions.count, block_m=self._block_m, validate=False)
 
     def finish(self, call: CallInputs, slot: int, out: list[torch.Tensor] | None
                ) -> list[torch.Tensor]:
         """Acquire this call's readiness words; return the slot's views (or copy into ``out``)."""
         wait_ready(self._epoch, self._words.local, self._status, readiness=self._readiness,
-                   row_blocks=-(-call.rows // self._tiling(call.rows)[1]),
-                   timeout_ns=self._timeout_ns)
+                   row_blocks=-(-call.rows // self._block_m), timeout_ns=self._timeout_ns)
         return deliver(self.slots.views(slot, call.batch, call.seq_global), out)
 
     def run(self, call: CallInputs, out: list[torch.Tensor] | None) -> list[torch.Tensor]:

@@ -22,7 +22,6 @@ from torch import Tensor
 from cake_sp._validation import check_tensor
 from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.kernels.producer import HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from cake_sp.kernels.producer import warp_specialized_available
 from cake_sp.session.mesh import (
     Backend,
     BackendDecision,
@@ -145,20 +144,16 @@ class QkvNormRopeExchangeOverlap:
         except (ValueError, TypeError) as exc:
             error = (type(exc).__name__, str(exc))
         probe = probe_mesh(self.device) if error is None else None
-        # The NVLink path tiles a call the same way on every rank: with the warp-specialised
-        # producer only where every rank can run it.
-        ws = error is None and warp_specialized_available(self.device, head_dim)
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (asdict(self.config), error, probe, ws),
-                               group=self._group)
-        decision = _agree([g[:3] for g in gathered], env)
+        dist.all_gather_object(gathered, (asdict(self.config), error, probe), group=self._group)
+        decision = _agree(gathered, env)
         self.plan: HeadPlan = plan
         self.backend: str = decision.backend.value
         self.backend_reason: str = decision.reason
-        self._impl = self._build(decision.backend, warp_specialized=all(g[3] for g in gathered))
+        self._impl = self._build(decision.backend)
         self._closed = False
 
-    def _build(self, backend: Backend, *, warp_specialized: bool):
+    def _build(self, backend: Backend):
         cfg = self.config
         common = dict(layout=cfg.layout, max_tokens=cfg.max_tokens, num_slots=cfg.num_slots,
                       device=self.device, eps=float(cfg.eps),
@@ -167,8 +162,7 @@ class QkvNormRopeExchangeOverlap:
             from cake_sp.session.heap import NvshmemHeap
             from cake_sp.session.nvlink import NvlinkExchange
             return NvlinkExchange(NvshmemHeap(self._group, self.device), self.plan,
-                                  wait_timeout_s=float(cfg.wait_timeout_s),
-                                  warp_specialized=warp_specialized, **common)
+                                  wait_timeout_s=float(cfg.wait_timeout_s), **common)
         from cake_sp.fallback.exchange import NcclExchange
         return NcclExchange(self._group, self.plan, **common)
 

@@ -14,9 +14,7 @@ import pytest
 import torch
 
 from cake_sp import reference
-from cake_sp.kernels import _config
 from cake_sp.kernels.norm_rope import rope_style_code
-from cake_sp.session import nvlink
 from cake_sp.session.heap import InProcessHeap
 from cake_sp.session.nvlink import NvlinkExchange, PeerTimeoutError
 from cake_sp.session.plan import DestLayout, HeadPlan
@@ -26,13 +24,12 @@ POISON = -12288.0  # exactly representable in bf16
 
 
 def _exchanges(world, hq, hkv, *, layout, max_tokens, device, rope_style="interleaved",
-               num_slots=2, timeout_s=30.0, head_dim=128, warp_specialized=True):
+               num_slots=2, timeout_s=30.0, head_dim=128):
     heap = InProcessHeap(world, device)
     plan = HeadPlan(world, hq, hkv, head_dim)
     ranks = [NvlinkExchange(heap.rank(r), plan, layout=layout, max_tokens=max_tokens,
                             num_slots=num_slots, device=torch.device(device), eps=1e-6,
-                            rope_style=rope_style_code(rope_style), wait_timeout_s=timeout_s,
-                            warp_specialized=warp_specialized)
+                            rope_style=rope_style_code(rope_style), wait_timeout_s=timeout_s)
              for r in range(world)]
     return plan, ranks
 
@@ -67,9 +64,6 @@ def _run_call(ranks, calls):
     return [ex.finish(call, slot, None) for ex, call, slot in zip(ranks, calls, slots)], slots
 
 
-# "mixed": the warp-specialised producer from 100 rows, so call 1 takes it and call 2 the
-# default mainloop, over the same readiness words (GPUs where it runs; skipped elsewhere).
-@pytest.mark.parametrize("tiling", ["default", "mixed"])
 @pytest.mark.parametrize("world,hq,hkv,layout,rope_style,positions,head_dim", [
     (2, 2, 2, "bshd", "interleaved", False, 128),
     (2, 4, 4, "fused", "neox", True, 128),
@@ -79,16 +73,7 @@ def _run_call(ranks, calls):
     (2, 2, 2, "fused", "interleaved", False, 256),
 ])
 def test_slots_match_reference_and_nothing_else_is_written(device, world, hq, hkv, layout,
-                                                           rope_style, positions, head_dim,
-                                                           tiling, monkeypatch):
-    mainloops = []
-    if tiling == "mixed":
-        if not nvlink.warp_specialized_available(torch.device(device), head_dim):
-            pytest.skip("the warp-specialised producer does not run here")
-        monkeypatch.setattr(_config, "PRODUCER_WS_MIN_ROWS", 100)
-        real = nvlink.qkv_norm_rope_produce
-        monkeypatch.setattr(nvlink, "qkv_norm_rope_produce", lambda *a, **kw: (
-            mainloops.append(kw["mainloop"]), real(*a, **kw)))
+                                                           rope_style, positions, head_dim):
     g = torch.Generator().manual_seed(world * 100 + hq * 10 + hkv + head_dim)
     hidden, max_tokens = 64, 160
     plan, ranks = _exchanges(world, hq, hkv, layout=layout, max_tokens=max_tokens,
@@ -119,27 +104,6 @@ def test_slots_match_reference_and_nothing_else_is_written(device, world, hq, hk
             assert (buffer[~written] == POISON).all(), f"call {call_index} rank {r} wrote outside"
             assert not (buffer[written] == POISON).any(), "an output element was not written"
             assert int(ex._epoch.item()) == call_index + 1
-    if tiling == "mixed":
-        assert mainloops == ["warp_specialized"] * world + [None] * world, mainloops
-
-
-def test_readiness_words_cover_the_smaller_row_blocks(monkeypatch):
-    """Host only: with the warp-specialised producer available, calls from
-    ``PRODUCER_WS_MIN_ROWS`` rows take it (64-row blocks), smaller ones the default
-    tiles, and the readiness words are counted in the smaller blocks."""
-    monkeypatch.setattr(nvlink, "warp_specialized_available", lambda device, head_dim: True)
-    max_tokens = 3 * _config.PRODUCER_WS_MIN_ROWS
-    _, (ex, _) = _exchanges(2, 2, 2, layout="bshd", max_tokens=max_tokens, device="cpu")
-    default = (None, _config.producer_block_m(128))
-    ws = ("warp_specialized", _config.PRODUCER_WS_CHUNK_M)
-    assert ex._tiling(1) == default
-    assert ex._tiling(_config.PRODUCER_WS_MIN_ROWS - 1) == default
-    assert ex._tiling(_config.PRODUCER_WS_MIN_ROWS) == ws
-    assert ex._readiness.max_row_blocks == -(-max_tokens // min(default[1], ws[1]))
-    # A session whose ranks cannot all run it never takes it.
-    _, (off, _) = _exchanges(2, 2, 2, layout="bshd", max_tokens=max_tokens, device="cpu",
-                             warp_specialized=False)
-    assert off._tiling(max_tokens) == default
 
 
 def test_timeout_names_the_rank_that_never_called(device):

@@ -18,8 +18,6 @@ from _inputs import compare, make_problem
 from _ranks import TEST_DEVICE, run_cases
 
 from cake_sp import QkvNormRopeExchangeOverlap, UlyssesBackendError
-from cake_sp.kernels import _config
-from cake_sp.kernels.producer import warp_specialized_available
 
 pytestmark = pytest.mark.multi_gpu
 
@@ -316,30 +314,6 @@ def case_gpu_two_sessions_in_flight(ctx):
     return report
 
 
-def case_gpu_large_calls_mix_mainloops(ctx):
-    """One session, calls above and below ``PRODUCER_WS_MIN_ROWS`` rows: the larger take the
-    warp-specialised producer (64-row readiness blocks) where every rank runs it, the smaller
-    the default tiles, over the same readiness words; every call matches the reference."""
-    if ctx.device.type != "cuda":
-        return {"skipped": "GPU only"}
-    hq, hkv = _heads(ctx.world_size, "gqa_split")
-    big = _config.PRODUCER_WS_MIN_ROWS
-    report = {"compare": [], "mainloops": [],
-              "ws_here": warp_specialized_available(ctx.device, 128)}
-    with QkvNormRopeExchangeOverlap(num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
-                                    hidden=HIDDEN, max_tokens=big + 64, device=ctx.device,
-                                    backend=REQUESTED_BACKEND) as session:
-        report["backend"], report["reason"] = session.backend, session.backend_reason
-        for i, rows in enumerate([big, 37, big + 61]):
-            problem = _gpu_problem(ctx, hq, hkv, rows, seed=1000 + i)
-            want = problem.expected(hq, hkv, "interleaved", "bshd")[ctx.rank]
-            got = session(*problem.rank_args(ctx.rank, ctx.device))
-            report["compare"] += _compare_qkv(got, want, f"call {i} ({rows} rows)")
-            if session.backend == "nvlink":
-                report["mainloops"].append(session._impl._tiling(rows)[0])
-    return report
-
-
 def case_gpu_graph_capture_and_replay(ctx):
     """Capture a call, replay it with fresh inputs, interleave replays with eager calls."""
     if ctx.device.type != "cuda":
@@ -403,11 +377,9 @@ CASES = [case_mha_bshd_interleaved, case_mha_fused_neox_positions_no_norm_no_bia
          case_slot_ring_keeps_earlier_outputs, case_bad_configuration_raises_everywhere,
          case_bad_call_inputs_raise_before_any_collective, case_lifecycle,
          case_gpu_back_to_back_calls, case_gpu_two_sessions_in_flight,
-         case_gpu_large_calls_mix_mainloops, case_gpu_graph_capture_and_replay,
-         case_gpu_wait_timeout_names_the_absent_rank]
+         case_gpu_graph_capture_and_replay, case_gpu_wait_timeout_names_the_absent_rank]
 RESULT_CASES = CASES[:6] + [case_bad_call_inputs_raise_before_any_collective,
                             case_gpu_back_to_back_calls, case_gpu_two_sessions_in_flight,
-                            case_gpu_large_calls_mix_mainloops,
                             case_gpu_graph_capture_and_replay]
 GPU_CASES = {c.__name__ for c in CASES if c.__name__.startswith("case_gpu_")}
 # On CPUs every rank runs the kernels through Triton's interpreter, so the larger
@@ -471,16 +443,6 @@ def _check_bad_configuration(world, name, per_rank) -> str:
     return "every rank raised the same errors"
 
 
-def _check_mainloops(world, name, per_rank) -> str:
-    _ok(world, per_rank, name)
-    if per_rank[0]["backend"] != "nvlink":
-        return "no producer mainloop to choose on the NCCL path"
-    ws = all(r["ws_here"] for r in per_rank)
-    expected = ["warp_specialized", None, "warp_specialized"] if ws else [None] * 3
-    assert all(r["mainloops"] == expected for r in per_rank), [r["mainloops"] for r in per_rank]
-    return f"mainloops {expected}"
-
-
 def _check_lifecycle(world, name, per_rank) -> str:
     _ok(world, per_rank, name)
     return "closed twice, then a call raised"
@@ -492,7 +454,6 @@ CHECKS = {
     case_gpu_wait_timeout_names_the_absent_rank.__name__: [_check_timeout],
     case_bad_configuration_raises_everywhere.__name__: [_check_bad_configuration],
     case_lifecycle.__name__: [_check_lifecycle],
-    case_gpu_large_calls_mix_mainloops.__name__: [_check_matches_reference, _check_mainloops],
 }
 assert set(CHECKS) == {case.__name__ for case in CASES}, "every case needs its checks"
 
@@ -543,14 +504,6 @@ def test_slot_ring_reuse(reports):
     world, by_case = reports
     name = case_slot_ring_keeps_earlier_outputs.__name__
     _check_slot_ring(world, name, _reports_of(by_case, name))
-
-
-def test_large_calls_take_the_warp_specialized_producer(reports):
-    world, by_case = reports
-    if TEST_DEVICE == "cpu":
-        pytest.skip("needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared)")
-    name = case_gpu_large_calls_mix_mainloops.__name__
-    _check_mainloops(world, name, _reports_of(by_case, name))
 
 
 def test_bad_configuration_raises_on_every_rank(reports):
