@@ -23,18 +23,17 @@ from cake_sp.kernels.fmha import api, context_ws, tuning
 SERVED = FmhaCase(op="context", head_dim=128, page_size=128, kv_lens=(300, 5), q_lens=(300, 5))
 
 
-def _problem(case: FmhaCase, **overrides):
-    """The validated ``PagedAttention`` of ``case``'s call on the CPU (nothing runs)."""
-    kw = make_call(case, torch.device("cpu"))
-    kw.update(overrides)
-    kw["cu_q"] = kw.pop("cum_seq_lens_q")
-    for unused in ("cum_seq_lens_kv", "max_kv_len", "batch_size"):
-        kw.pop(unused)
-    problem, _ = api._prepare(
-        "context", kw.pop("query"), kw.pop("kv_cache"), kw.pop("workspace_buffer"),
-        kw.pop("block_tables"), kw.pop("seq_lens"), max_kv_len=max(case.kv_lens),
-        out_dtype=None, return_lse=False, q_len_per_req=0, batch_size=None, **kw)
-    return problem
+@pytest.fixture
+def problem_of(monkeypatch):
+    """``problem_of(case, **overrides)``: the validated ``PagedAttention`` that the public
+    call builds from ``case``'s arguments on the CPU (the route is not run)."""
+    monkeypatch.setattr(api, "_run", lambda problem, cell, return_lse: problem)
+
+    def build(case: FmhaCase, **overrides):
+        kw = make_call(case, torch.device("cpu"))
+        kw.update(overrides)
+        return call(case, kw)
+    return build
 
 
 @pytest.mark.parametrize(("change", "served"), [
@@ -53,21 +52,23 @@ def _problem(case: FmhaCase, **overrides):
     ({"page_size": 8}, False),            # 16 copies a tile
     ({"page_size": 48}, False),           # neither divides the other
 ])
-def test_serves(change, served):
+def test_serves(change, served, problem_of):
     case = dataclasses.replace(SERVED, **change)
-    assert context_ws.serves(_problem(case)) is served
+    assert context_ws.serves(problem_of(case)) is served
 
 
-def test_serves_needs_query_tokens():
+def test_serves_needs_query_tokens(problem_of):
     empty = dataclasses.replace(SERVED, kv_lens=(3, 0), q_lens=(0, 0))
-    assert not context_ws.serves(_problem(empty))
+    # The API takes a bound max_q_len >= 1 even when no request has query tokens.
+    assert not context_ws.serves(problem_of(empty, max_q_len=1))
 
 
-def test_serves_needs_a_contiguous_query():
+def test_serves_needs_a_contiguous_query(problem_of):
     base = make_call(SERVED, torch.device("cpu"))
     strided = torch.empty(*base["query"].shape[:2], 256, dtype=torch.bfloat16)[..., :128]
     strided.copy_(base["query"])
-    assert not context_ws.serves(_problem(SERVED, query=strided, out=torch.empty_like(strided)))
+    assert not context_ws.serves(problem_of(SERVED, query=strided,
+                                            out=torch.empty_like(strided)))
 
 
 GPU_CASES = [
