@@ -35,7 +35,8 @@ loads (any target, the CPU interpreter) or over host-built tensor descriptors
 ``producer_epilogue.deliver_tile``.  On an H200, with both norm weights, the
 warp-specialised kernel's 256-row tiles take 0.88-1.01x TMA's time at 2,048 rows
 and more but up to 1.20x at 512 (docs/results/producer_and_fmha_sweeps_h200.md,
-sweep 8), and it has not run through the session on a GPU, so the default stays TMA.
+sweep 8), so the default stays TMA, and the session does not take it yet (its tests with
+the session so far cover only part of the session suite, docs/results.md).
 """
 
 from __future__ import annotations
