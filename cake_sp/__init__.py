@@ -1,4 +1,4 @@
-"""cake_sp: the attention front end of a sequence-parallel (Ulysses) transformer layer.
+"""cake_sp: sequence-parallel (Ulysses) attention for NVIDIA GPUs: the whole layer, its front end.
 
 Public names only; see ``docs/guide.md`` and ``docs/kernels.md``.
 """
@@ -14,13 +14,19 @@ from cake_sp.kernels.qk_rope_append import fused_qk_rmsnorm_rope_append_paged_kv
 from cake_sp.kernels.qk_rope_fp8_append import (
     fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache,
 )
+from cake_sp.layer import UlyssesAttention
+from cake_sp.session.channel import PeerTimeoutError
 from cake_sp.session.mesh import UlyssesBackendError
 from cake_sp.session.overlap import QkvNormRopeExchangeOverlap
+from cake_sp.session.slots import SlotInUseError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PeerTimeoutError",
     "QkvNormRopeExchangeOverlap",
+    "SlotInUseError",
+    "UlyssesAttention",
     "UlyssesBackendError",
     "batch_context_with_kv_cache",
     "batch_decode_with_kv_cache",

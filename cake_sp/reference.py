@@ -165,3 +165,70 @@ def rope_cos_sin_table(positions: int, head_dim: int, base: float = 10000.0,
                         / head_dim)
     angles = torch.arange(positions, dtype=torch.float64, device=device)[:, None] * inv_freq
     return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+
+
+def ulysses_attention_layer(
+    xs: Sequence[Tensor],
+    qkv_weight: Tensor,
+    o_weight: Tensor | None,
+    rope_cos_sin: Sequence[Tensor],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    qkv_bias: Tensor | None = None,
+    o_bias: Tensor | None = None,
+    q_norm_weight: Tensor | None = None,
+    k_norm_weight: Tensor | None = None,
+    positions: Sequence[Tensor] | None = None,
+    rope_style: str = "neox",
+    causal: bool = True,
+    eps: float = 1e-6,
+    softmax_scale: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> list[Tensor]:
+    """The whole layer on the full sequence, in ``dtype`` with no intermediate rounding:
+    what ``UlyssesAttention`` should return on every rank (the mathematical layer, not
+    the bf16 contract of section 1; tests compare with it by relative error).
+
+    xs[r]: rank r's ``[B, S_local, hidden]``; the full sequence is their concatenation
+    along tokens.  ``rope_cos_sin[r]``: rank r's per-token table ``[B * S_local, D]``, or
+    a ``[max_pos, D]`` table indexed by ``positions[r] [B, S_local]``.  Differentiable:
+    with inputs that require grad, autograd of this function is the gradient reference.
+    Returns per rank ``y [B, S_local, hidden]`` (``[B, S_local, Hq * D]`` without ``o_weight``).
+    """
+    def cast(t):
+        return None if t is None else t.to(dtype)
+
+    batch, seq_local, _ = xs[0].shape
+    world = len(xs)
+    d = qkv_weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
+    x = torch.cat([cast(t) for t in xs], dim=1)
+    p = x @ cast(qkv_weight).T
+    if qkv_bias is not None:
+        p = p + cast(qkv_bias)
+    p = p.unflatten(-1, (-1, d))
+    q, k, v = p.split((num_q_heads, num_kv_heads, num_kv_heads), dim=2)
+
+    def norm(t, w):
+        if w is None:
+            return t
+        return t * torch.rsqrt(t.pow(2).mean(dim=-1, keepdim=True) + eps) * cast(w)
+
+    cos_sin = torch.cat([cast(token_cos_sin(rope_cos_sin[r], None if positions is None
+                                             else positions[r], batch, seq_local))
+                         for r in range(world)], dim=1)
+    q, k = (rope(norm(t, w), cos_sin, rope_style) for t, w in ((q, q_norm_weight),
+                                                                (k, k_norm_weight)))
+    group = num_q_heads // num_kv_heads
+    k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        s = scores.shape[-1]
+        future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    o = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v).flatten(2)
+    y = o if o_weight is None else o @ cast(o_weight).T
+    if o_bias is not None:
+        y = y + cast(o_bias)
+    return list(y.split(seq_local, dim=1))

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cake_sp import QkvNormRopeExchangeOverlap, UlyssesBackendError
-from cake_sp.session.plan import KIND_K, KIND_Q, KIND_V, HeadPlan
+from cake_sp.layouts import KIND_K, KIND_Q, KIND_V, HeadPlan
 
 from _harness import BenchContext, all_to_all_bytes
 from _norm_rope_op import qk_norm_rope_

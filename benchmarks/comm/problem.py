@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from cake_sp import reference
-from cake_sp.session.plan import KIND_K, KIND_Q, KIND_V, HeadPlan
+from cake_sp.layouts import KIND_K, KIND_Q, KIND_V, HeadPlan
 from cake_sp.testing import assert_close_counting_flips
 
 from rows import Row

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cake_sp.session.plan import HeadPlan
+from cake_sp.layouts import HeadPlan
 
 HEAD_DIM = 128
 HIDDENS = (3072, 4096, 6144, 8192)

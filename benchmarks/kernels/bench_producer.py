@@ -77,7 +77,7 @@ def make_problem(world: int, hidden: int, seq_global: int, rope_style: str,
                  device: torch.device) -> dict:
     """Fresh random inputs for source rank 0, and W local destination buffers."""
     # The package is imported where it is used, so that --help works without it.
-    from cake_sp.session.plan import DestLayout, HeadPlan
+    from cake_sp.layouts import DestLayout, HeadPlan
 
     hq = hidden // HEAD_DIM
     plan = HeadPlan(world, hq, NUM_KV_HEADS, HEAD_DIM)
@@ -142,7 +142,7 @@ def cublas_arm(p: dict) -> tuple[Callable[[], None], torch.Tensor]:
 
 
 def eager_arm(p: dict) -> Callable[[], None]:
-    from cake_sp.session.plan import KIND_K, KIND_Q
+    from cake_sp.layouts import KIND_K, KIND_Q
 
     plan, d = p["plan"], HEAD_DIM
     hq, hkv = plan.num_q_heads, plan.num_kv_heads
@@ -203,7 +203,7 @@ def reference_heads(p: dict, rows: int, round_projection: bool) -> dict[str, tor
 
 
 def check_buffers(p: dict, ref: dict[str, torch.Tensor], rows: int, arm: str) -> None:
-    from cake_sp.session.plan import KIND_K, KIND_Q, KIND_V
+    from cake_sp.layouts import KIND_K, KIND_Q, KIND_V
     from cake_sp.testing import assert_close_counting_flips
 
     plan = p["plan"]

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from cake_sp.kernels.producer import qkv_norm_rope_produce
-from cake_sp.session.plan import DestLayout, HeadPlan
+from cake_sp.layouts import DestLayout, HeadPlan
 from cake_sp.session.positions import BadPositionsCounter
-from cake_sp.session.slots import CallInputs, SlotRing, deliver
+from cake_sp.session.slots import CallInputs, SlotRing, deliver, front_end_layout
 
 
 class NcclExchange:
@@ -40,10 +40,11 @@ class NcclExchange:
                  max_tokens: int, num_slots: int, device: torch.device, eps: float,
                  rope_style: int) -> None:
         self._group, self._plan, self._layout = group, plan, layout
+        self._max_tokens = max_tokens
         self._eps, self._rope_style = eps, rope_style
         world = plan.world_size
-        self.slots = SlotRing.local(plan, layout=layout, max_tokens=max_tokens,
-                                    num_slots=num_slots, device=device)
+        self.slots = SlotRing.local(DestLayout.buffer_elements(plan, max_tokens * world),
+                                    num_slots, device, what="front end")
         self._bad_positions = BadPositionsCounter(device)
         per_rank = DestLayout.buffer_elements(plan, max_tokens)
         if world > 1:
@@ -52,14 +53,19 @@ class NcclExchange:
             self._send_table = torch.empty(world, dtype=torch.int64, device=device)
             self._rank_index = torch.arange(world, dtype=torch.int64, device=device)
 
-    def run(self, call: CallInputs, out: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Project, normalise, rotate and exchange; return the output views (or ``out``)."""
+    def run(self, call: CallInputs, out: list[torch.Tensor] | None
+            ) -> tuple[list[torch.Tensor], int | None]:
+        """Project, normalise, rotate and exchange: the outputs, and the slot they are views of
+        (None when copied to ``out``)."""
         self.check()
         plan, world = self._plan, self._plan.world_size
+        # The slot is taken before any collective, so a leased ring raises on every rank.
+        slot = self.slots.advance() if out is None or world == 1 else None
+        layout = front_end_layout(plan, self._layout, self._max_tokens, call.seq_global)
         if world == 1:
-            slot = self.slots.advance()
-            self._produce(call, self.slots.layout(call.seq_global), self.slots.table(slot))
-            return deliver(self.slots.views(slot, call.batch, call.seq_global), out)
+            self._produce(call, layout, self.slots.table(slot))
+            views = layout.region_views(self.slots.buffer(slot), call.batch)
+            return deliver(views, out), None if out is not None else slot
         chunk = call.rows * plan.heads_per_rank * plan.head_dim
         send_layout = DestLayout.for_layout(plan, self._layout, token_capacity=call.rows,
                                             seq_len=call.seq_local)
@@ -69,8 +75,8 @@ class NcclExchange:
         self._produce(call, send_layout, self._send_table)
         dist.all_to_all_single(self._recv[: world * chunk].view(torch.uint8),
                                self._send[: world * chunk].view(torch.uint8), group=self._group)
-        views = out if out is not None else self.slots.views(
-            self.slots.advance(), call.batch, call.seq_global)
+        views = out if out is not None else layout.region_views(self.slots.buffer(slot),
+                                                                call.batch)
         received = self._recv[: world * chunk].view(world, chunk)
         for kind, dest in zip(send_layout.regions, views):
             # Source src's region sits at the same offset of its chunk: [B, S_local, H, X].
@@ -79,7 +85,7 @@ class NcclExchange:
             source = received[:, start: start + call.rows * heads * width]
             dest.view(batch, world, call.seq_local, heads, width).copy_(
                 source.view(world, batch, call.seq_local, heads, width).transpose(0, 1))
-        return views
+        return views, slot
 
     def _produce(self, call: CallInputs, dest: DestLayout, table: torch.Tensor) -> None:
         """The fused kernel, without signals; this rank's tokens start each destination row."""

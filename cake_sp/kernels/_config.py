@@ -40,6 +40,12 @@ SPIN_POLLS_INTERPRET: int = 4
 WAIT_BLOCK: int = 1024
 WAIT_NUM_WARPS: int = 4
 
+# -- band_push.py ------------------------------------------------------------
+# Rows per tile of the band push (one head of D columns: 16 KiB of bf16 at D = 128) and
+# its warps; the consumers' row-block readiness words count these rows.
+BAND_PUSH_BLOCK_M: int = 64
+BAND_PUSH_NUM_WARPS: int = 4
+
 # -- producer.py --------------------------------------------------------------
 # Rows per tile: see producer_block_m.  Readiness words are kept per row block,
 # so the session builds its ReadinessLayout with the block_m it launches with.

@@ -53,7 +53,7 @@ from cake_sp.kernels import _config
 from cake_sp.kernels.norm_rope import ROPE_STYLES, rope_style_code
 from cake_sp.kernels.producer_epilogue import deliver_tile, tile_coords
 from cake_sp.kernels.signals import ProducerSignals, check_int64_vector
-from cake_sp.session.plan import DestLayout, HeadPlan
+from cake_sp.layouts import DestLayout, HeadPlan
 
 try:  # Gluon's Hopper API as of Triton 3.6; without it the warp-specialised mainloop is off
     from triton.experimental.gluon import language as gl

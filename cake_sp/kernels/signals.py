@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from cake_sp.kernels import _config
-from cake_sp.session.plan import HeadPlan, ReadinessLayout
+from cake_sp.layouts import HeadPlan, ReadinessLayout
 
 STATUS_READY_TIMEOUT = 1
 STATUS_ENTER_TIMEOUT = 2
@@ -189,13 +189,13 @@ def _barrier_arrive_kernel(epoch_ptr, enter_table_ptr, source_rank, WORLD: tl.co
 
 
 @triton.jit
-def _wait_ready_kernel(epoch_ptr, words_ptr, status_ptr, row_blocks, max_row_blocks,
-                       timeout_ns, HEADS_PER_RANK: tl.constexpr, BLOCK: tl.constexpr,
-                       INTERPRET: tl.constexpr):
-    # One program per source rank: its words for this call are one contiguous run.
+def _wait_ready_kernel(epoch_ptr, words_ptr, status_ptr, first_row_block, row_blocks,
+                       max_row_blocks, timeout_ns, HEADS_PER_RANK: tl.constexpr,
+                       BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    # One program per source rank: its words for these row blocks are one contiguous run.
     source = tl.program_id(0)
     e = tl.load(epoch_ptr)
-    words = words_ptr + source.to(tl.int64) * max_row_blocks * HEADS_PER_RANK
+    words = words_ptr + (source.to(tl.int64) * max_row_blocks + first_row_block) * HEADS_PER_RANK
     count = row_blocks * HEADS_PER_RANK
     start = global_time_ns(INTERPRET)
     polls = 0
@@ -262,8 +262,10 @@ def barrier_arrive(epoch: torch.Tensor, enter_table: torch.Tensor, *, source_ran
 
 
 def wait_ready(epoch: torch.Tensor, words: torch.Tensor, status: torch.Tensor, *,
-               readiness: ReadinessLayout, row_blocks: int, timeout_ns: int) -> None:
-    """Acquire every readiness word addressed to this rank for the current call.
+               readiness: ReadinessLayout, row_blocks: int, timeout_ns: int,
+               first_row_block: int = 0) -> None:
+    """Acquire the readiness words addressed to this rank for the current call: every
+    source's, for row blocks ``[first_row_block, first_row_block + row_blocks)``.
 
     Parameters
     ----------
@@ -277,10 +279,13 @@ def wait_ready(epoch: torch.Tensor, words: torch.Tensor, status: torch.Tensor, *
     readiness : ReadinessLayout
         The word layout the producers used.
     row_blocks : int
-        Row blocks of this call, ``ceil(rows / block_m)`` with the producer's
-        ``block_m`` (every source has the same rows).
+        Row blocks to wait for: all of this call, ``ceil(rows / block_m)`` with the
+        producer's ``block_m`` (every source has the same rows), or a chunk of them.
     timeout_ns : int
         Wall-time budget of the wait, in nanoseconds (a few polls in the interpreter).
+    first_row_block : int
+        The first row block waited for (a consumer that works in row chunks waits for
+        each chunk before it reads it).
 
     Runs ``W`` programs on the current stream; the host does not block.  Later
     kernels on the stream see every tile stored before the words were raised.
@@ -290,11 +295,14 @@ def wait_ready(epoch: torch.Tensor, words: torch.Tensor, status: torch.Tensor, *
     check_int64_vector("epoch", epoch, 1, None)
     check_int64_vector("words", words, readiness.words, epoch.device)
     check_int64_vector("status", status, 1 + world, epoch.device)
-    if not 1 <= row_blocks <= readiness.max_row_blocks:
-        raise ValueError(f"row_blocks must be in [1, {readiness.max_row_blocks}], got {row_blocks}")
+    if not (0 <= first_row_block and 1 <= row_blocks
+            and first_row_block + row_blocks <= readiness.max_row_blocks):
+        raise ValueError(f"row_blocks [{first_row_block}, {first_row_block + row_blocks}) "
+                         f"(first_row_block, first_row_block + row_blocks) must lie in "
+                         f"[0, {readiness.max_row_blocks}) and not be empty")
     if timeout_ns < 0:
         raise ValueError(f"timeout_ns must be >= 0, got {timeout_ns}")
     _wait_ready_kernel[(world,)](
-        epoch, words, status, row_blocks, readiness.max_row_blocks, timeout_ns,
+        epoch, words, status, first_row_block, row_blocks, readiness.max_row_blocks, timeout_ns,
         HEADS_PER_RANK=readiness.heads_per_rank, BLOCK=_config.WAIT_BLOCK,
         INTERPRET=_config.INTERPRET, num_warps=_config.WAIT_NUM_WARPS)

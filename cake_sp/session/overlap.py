@@ -18,10 +18,14 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from cake_sp._validation import check_tensor
 from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.kernels.producer import HEAD_DIMS as SUPPORTED_HEAD_DIMS
+from cake_sp.layouts import GATHER_TOKENS, BandTransfer, DestLayout, HeadPlan
+from cake_sp.session.autograd import FrontEndFunction
+from cake_sp.session.bands import make_band_exchange
 from cake_sp.session.mesh import (
     Backend,
     BackendDecision,
@@ -29,7 +33,6 @@ from cake_sp.session.mesh import (
     decide_backend,
     probe_mesh,
 )
-from cake_sp.session.plan import DestLayout, HeadPlan
 from cake_sp.session.slots import CallInputs
 
 # What local validation may raise; re-raised on every rank after the all-gather.
@@ -95,7 +98,7 @@ class QkvNormRopeExchangeOverlap:
 
     Parameters
     ----------
-    group : torch.distributed group, optional
+    group : torch.distributed group or 1-D DeviceMesh, optional
         The sequence-parallel group; None means the default (world) group.
     num_q_heads, num_kv_heads, head_dim, hidden : int
         Model shape; ``qkv_weight`` is ``[(Hq + 2*Hkv) * head_dim, hidden]``.
@@ -120,15 +123,21 @@ class QkvNormRopeExchangeOverlap:
 
     Construction is collective: every rank of ``group`` must construct, with the
     same configuration, or every rank raises the same error.
+
+    A call is differentiable when an input requires grad (``session.autograd``
+    says what the backward does and saves); its outputs then keep their receive
+    slot from reuse until the backward has run, and a call that would need a
+    leased slot raises ``SlotInUseError`` on every rank before sending anything.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, num_q_heads: int,
+    def __init__(self, group: dist.ProcessGroup | DeviceMesh | None = None, *, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, hidden: int, max_tokens: int,
                  num_slots: int = 2, layout: str = "bshd", rope_style: str = "interleaved",
                  eps: float = 1e-6, backend: str = "auto", device: torch.device | None = None,
                  wait_timeout_s: float = 30.0) -> None:
-        self._group = group if group is not None else dist.group.WORLD
+        self._group = resolve_group(group)
         self._closed = True
+        self._grad_exchange = None
         self.world_size = dist.get_world_size(self._group)
         self.rank = dist.get_rank(self._group)
         self.device = _resolve_device(device)
@@ -201,8 +210,31 @@ class QkvNormRopeExchangeOverlap:
         call = self._check_call_inputs(x, qkv_weight, q_norm_weight, k_norm_weight,
                                        rope_cos_sin, positions, qkv_bias)
         out_list = self._check_out(out, call)
-        views = self._impl.run(call, out_list)
+        differentiable = (x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in differentiable):
+            if out_list is not None:
+                raise ValueError("out= cannot be combined with inputs that require grad "
+                                 "(the outputs would not be part of the autograd graph)")
+            self.grad_exchange()  # built here, in a forward every rank makes alike
+            views = FrontEndFunction.apply(self, call, *differentiable)
+        else:
+            views, _ = self._impl.run(call, out_list)
         return views[0] if self.config.layout == "fused" else tuple(views)
+
+    def grad_exchange(self):
+        """The backward's exchange (``dq, dk, dv`` gathered back to token order), built on the
+        first call that needs gradients (collective, like construction)."""
+        if self._grad_exchange is None:
+            plan = self.plan
+            transfer = BandTransfer(GATHER_TOKENS, self.world_size,
+                                    (plan.q_per_rank, plan.kv_per_rank, plan.kv_per_rank),
+                                    plan.head_dim)
+            self._grad_exchange = make_band_exchange(
+                self.backend, self._group, transfer, max_tokens=self.config.max_tokens,
+                num_slots=2, device=self.device, wait_timeout_s=float(self.config.wait_timeout_s),
+                what="front end backward")
+        return self._grad_exchange
 
     def synchronize(self) -> None:
         """Wait for this rank's enqueued calls; raise if a peer's data never arrived
@@ -211,6 +243,8 @@ class QkvNormRopeExchangeOverlap:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._impl.check()
+        if self._grad_exchange is not None:
+            self._grad_exchange.check()
 
     def close(self) -> None:
         """Release the session's buffers (collective on the NVLink path).  Idempotent."""
@@ -218,6 +252,8 @@ class QkvNormRopeExchangeOverlap:
             return
         self._closed = True
         self._impl.close()
+        if self._grad_exchange is not None:
+            self._grad_exchange.close()
 
     def __enter__(self) -> QkvNormRopeExchangeOverlap:
         return self
@@ -293,6 +329,19 @@ class QkvNormRopeExchangeOverlap:
             check_tensor(name, tensor, dtypes=(torch.bfloat16,), device=self.device, shape=shape,
                          contiguous=True)
         return tensors
+
+
+def resolve_group(group) -> dist.ProcessGroup:
+    """A process group from ``group``: None (the default group), a ``ProcessGroup``, or a
+    1-D ``DeviceMesh`` (its group)."""
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group: a DeviceMesh must be 1-D (pass mesh['sp'] for the "
+                             f"sequence-parallel dimension), got {group.ndim}-D {group}")
+        return group.get_group()
+    return group
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

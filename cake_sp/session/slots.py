@@ -1,4 +1,4 @@
-"""The receive-slot ring and the validated inputs of one call, shared by both backends."""
+"""Receive-slot rings (with leases for autograd) and one call's validated inputs (both backends)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cake_sp.session.plan import DestLayout, HeadPlan
+from cake_sp.layouts import DestLayout, HeadPlan
 
 
 @dataclass(frozen=True)
@@ -39,56 +39,98 @@ class CallInputs:
         return self.seq_local * self.world_size
 
 
-class SlotRing:
-    """``num_slots`` receive buffers, each ``W * max_tokens`` tokens of this rank's head bands.
+class SlotInUseError(RuntimeError):
+    """A call needs the next receive slot, but autograd still holds what that slot contains."""
 
-    A call takes the next slot; the views it returns stay valid until the ring
-    comes back to that slot ``num_slots`` calls later.  ``tables[s]`` holds, for
-    every destination rank, the byte address of that rank's slot ``s`` (only this
-    rank's own address when the slots are local memory).
+
+class SlotRing:
+    """``num_slots`` flat bf16 receive buffers used in turn, and the leases that pin them.
+
+    A call takes the next slot; what it returns stays valid until the ring comes
+    back to that slot ``num_slots`` calls later.  ``tables[s]`` holds, for every
+    destination rank, the byte address of that rank's slot ``s`` (only this rank's
+    own address when the slots are local memory).  Every rank of a group makes the
+    same calls, so every rank takes the same slot: a writer addresses its peers'
+    slot ``s`` through its own ``tables[s]``.
+
+    A slot under a :class:`SlotLease` (a forward whose outputs autograd saved for
+    its backward) is never handed out again while the lease lasts: ``advance``
+    raises :class:`SlotInUseError` instead, before the call sends anything, on
+    every rank alike.
 
     The ring owns ``buffers`` only when built by ``local``; otherwise the
     symmetric heap that allocated them does.
     """
 
-    def __init__(self, plan: HeadPlan, *, layout: str, max_tokens: int,
-                 buffers: Sequence[Tensor], tables: Tensor) -> None:
-        self._plan, self._layout = plan, layout
-        self._capacity = max_tokens * plan.world_size
+    def __init__(self, buffers: Sequence[Tensor], tables: Tensor, *, what: str) -> None:
         self._buffers = list(buffers)
         self._tables = tables
+        self._what = what
+        self._leases = [0] * len(self._buffers)
         self._next = 0
 
     @classmethod
-    def local(cls, plan: HeadPlan, *, layout: str, max_tokens: int, num_slots: int,
-              device: torch.device) -> SlotRing:
-        """A ring in ordinary device memory (the NCCL path)."""
-        elements = DestLayout.buffer_elements(plan, max_tokens * plan.world_size)
+    def local(cls, elements: int, num_slots: int, device: torch.device, *, what: str) -> SlotRing:
+        """A ring of ``num_slots`` buffers of ``elements`` bf16 values in ordinary device memory."""
         buffers = [torch.empty(elements, dtype=torch.bfloat16, device=device)
                    for _ in range(num_slots)]
         tables = torch.tensor([[b.data_ptr()] for b in buffers], dtype=torch.int64,
                               device=device)
-        return cls(plan, layout=layout, max_tokens=max_tokens, buffers=buffers, tables=tables)
+        return cls(buffers, tables, what=what)
 
     @property
     def num_slots(self) -> int:
         return len(self._buffers)
 
     def advance(self) -> int:
-        """The slot this call writes; moves the ring on."""
+        """The slot this call writes; moves the ring on.  Raises ``SlotInUseError`` if that
+        slot is leased."""
         slot = self._next
+        if self._leases[slot]:
+            held = sum(1 for n in self._leases if n)
+            raise SlotInUseError(
+                f"{self._what}: every receive slot this call could use holds tensors that a "
+                f"pending backward still needs ({held} of num_slots={self.num_slots} are "
+                "leased). Run the backward of earlier forwards first, or build the layer with "
+                f"num_slots >= (forwards in flight) + 1; nothing was sent or overwritten.")
         self._next = (slot + 1) % len(self._buffers)
         return slot
 
-    def layout(self, seq_len: int) -> DestLayout:
-        return DestLayout.for_layout(self._plan, self._layout, token_capacity=self._capacity,
-                                     seq_len=seq_len)
+    def lease(self, slot: int) -> SlotLease:
+        """Pin ``slot`` until the returned lease is released (or garbage collected)."""
+        return SlotLease(self, slot)
+
+    def buffer(self, slot: int) -> Tensor:
+        return self._buffers[slot]
 
     def table(self, slot: int) -> Tensor:
         return self._tables[slot]
 
-    def views(self, slot: int, batch: int, seq_len: int) -> list[Tensor]:
-        return self.layout(seq_len).region_views(self._buffers[slot], batch)
+
+class SlotLease:
+    """Keeps one slot of a ring from reuse while autograd may still read it.
+
+    Held by an autograd context; released by its backward or, if the graph is
+    dropped without one, when the context is freed.  ``release`` is idempotent.
+    """
+
+    def __init__(self, ring: SlotRing, slot: int) -> None:
+        self._ring, self._slot = ring, slot
+        ring._leases[slot] += 1
+
+    def release(self) -> None:
+        if self._ring is not None:
+            self._ring._leases[self._slot] -= 1
+            self._ring = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def front_end_layout(plan: HeadPlan, layout: str, max_tokens: int, seq_len: int) -> DestLayout:
+    """Where the front end's q/k/v land in a slot of ``W * max_tokens`` tokens."""
+    return DestLayout.for_layout(plan, layout, token_capacity=max_tokens * plan.world_size,
+                                 seq_len=seq_len)
 
 
 def deliver(views: list[Tensor], out: list[Tensor] | None) -> list[Tensor]:

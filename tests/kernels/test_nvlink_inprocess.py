@@ -15,9 +15,9 @@ import torch
 
 from cake_sp import reference
 from cake_sp.kernels.norm_rope import rope_style_code
+from cake_sp.layouts import DestLayout, HeadPlan
 from cake_sp.session.heap import InProcessHeap
 from cake_sp.session.nvlink import NvlinkExchange, PeerTimeoutError
-from cake_sp.session.plan import DestLayout, HeadPlan
 from cake_sp.session.slots import CallInputs
 
 POISON = -12288.0  # exactly representable in bf16
@@ -98,12 +98,12 @@ def test_slots_match_reference_and_nothing_else_is_written(device, world, hq, hk
             # Every element past this call's outputs in the slot is still poison.
             buffer = ex.slots._buffers[slots[r]].float().cpu()
             written = torch.zeros_like(buffer, dtype=torch.bool)
-            layout_ = ex.slots.layout(seq_local * world)
+            layout_ = ex.layout(seq_local * world)
             for view in layout_.region_views(torch.arange(buffer.numel()), batch):
                 written[view.flatten()] = True
             assert (buffer[~written] == POISON).all(), f"call {call_index} rank {r} wrote outside"
             assert not (buffer[written] == POISON).any(), "an output element was not written"
-            assert int(ex._epoch.item()) == call_index + 1
+            assert int(ex.channel.epoch.item()) == call_index + 1
 
 
 def test_timeout_names_the_rank_that_never_called(device):

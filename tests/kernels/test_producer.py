@@ -31,7 +31,7 @@ from cake_sp.kernels.signals import (
     barrier_arrive,
     wait_ready,
 )
-from cake_sp.session.plan import DestLayout, HeadPlan, ReadinessLayout
+from cake_sp.layouts import DestLayout, HeadPlan, ReadinessLayout
 from cake_sp.testing import assert_close_counting_flips
 
 # DESIGN.md section 1: bf16 outputs against the fp32 reference.

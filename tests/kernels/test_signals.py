@@ -19,7 +19,7 @@ from cake_sp.kernels.signals import (
     barrier_arrive,
     wait_ready,
 )
-from cake_sp.session.plan import ReadinessLayout
+from cake_sp.layouts import ReadinessLayout
 
 HEADS_PER_RANK = 6
 MAX_ROW_BLOCKS = 5

@@ -1,4 +1,7 @@
-"""Host-only planning: which heads each rank receives, where a tile lands, where readiness lives.
+"""Host-only layouts: which heads each rank receives, where a tile lands, where readiness lives.
+
+Below both ``cake_sp.kernels`` (which take these numbers as launch arguments) and
+``cake_sp.session``; it imports neither.
 
 Vocabulary: a *kind* is one of Q, K, V; a *band* is the run of heads of one
 kind that one destination rank receives; a *tile* is ``BLOCK_M`` token rows of
@@ -189,3 +192,86 @@ class ReadinessLayout:
 
     def index(self, source: int, row_block: int, local_head: int) -> int:
         return (source * self.max_row_blocks + row_block) * self.heads_per_rank + local_head
+
+
+GATHER_TOKENS = "gather_tokens"
+SCATTER_HEADS = "scatter_heads"
+DIRECTIONS = (GATHER_TOKENS, SCATTER_HEADS)
+
+
+@dataclass(frozen=True)
+class BandTransfer:
+    """One direction of the Ulysses exchange of already computed tensors (DESIGN.md section 6).
+
+    Every source rank ``r`` sends every destination rank ``d`` one block of
+    ``batch x seq_local`` token rows and ``part_heads[i]`` heads of ``head_dim``
+    channels per *part* ``i`` (say q, k and v gradients: three parts).
+
+    * ``"gather_tokens"`` (head band -> token order; the forward's output exchange and
+      the front end's backward): part ``i`` of source ``r`` is ``[B, W * S_local, h_i, D]``,
+      its band of heads for the whole sequence; ``d`` receives its own tokens
+      ``[d * S_local, (d + 1) * S_local)``.  Output ``[B, S_local, W, heads, D]``:
+      source ``r``'s parts side by side at ``[:, :, r]`` (``heads = sum(part_heads)``),
+      so a single part of Q heads reads as ``[B, S_local, W * h, D]`` in head order.
+    * ``"scatter_heads"`` (token order -> head band; o_proj's backward): one part
+      ``[B, S_local, W * h, D]``; ``d`` receives heads ``[d * h, (d + 1) * h)``.
+      Output ``[B, W * S_local, h, D]``, tokens ordered by source rank.
+
+    In either direction the element ``(b, s, j, c)`` of source ``r``'s block for ``d``
+    sits in part ``i``'s tensor at ``[b, s + d * src_s_step, j + d * src_h_step, c]`` and
+    lands in ``d``'s output at ``[b, s + r * dst_s_step, j + r * dst_h_step + offset_i, c]``
+    of a ``[B, tokens, heads, D]`` view (``steps``); the push kernel takes those numbers.
+    """
+
+    direction: str
+    world_size: int
+    part_heads: tuple[int, ...]
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
+        if not self.part_heads or any(h < 1 for h in self.part_heads):
+            raise ValueError(f"part_heads must be positive head counts, got {self.part_heads}")
+        if self.direction == SCATTER_HEADS and len(self.part_heads) != 1:
+            raise ValueError(f"scatter_heads takes one part, got {self.part_heads}")
+
+    @property
+    def heads(self) -> int:
+        """Heads one source sends one destination (all parts), i.e. words per row block."""
+        return sum(self.part_heads)
+
+    def part_offset(self, part: int) -> int:
+        return sum(self.part_heads[:part])
+
+    def slot_elements(self, max_tokens: int) -> int:
+        """bf16 elements of one receive slot for calls of up to ``max_tokens`` rows a rank."""
+        return self.world_size * max_tokens * self.heads * self.head_dim
+
+    def readiness(self, max_tokens: int, block_m: int) -> ReadinessLayout:
+        return ReadinessLayout(self.world_size, -(-max_tokens // block_m), self.heads)
+
+    def source_shape(self, part: int, batch: int, seq_local: int) -> tuple[int, int, int, int]:
+        w, h = self.world_size, self.part_heads[part]
+        if self.direction == GATHER_TOKENS:
+            return (batch, w * seq_local, h, self.head_dim)
+        return (batch, seq_local, w * h, self.head_dim)
+
+    def output_shape(self, batch: int, seq_local: int) -> tuple[int, ...]:
+        w, d = self.world_size, self.head_dim
+        if self.direction == GATHER_TOKENS:
+            return (batch, seq_local, w, self.heads, d)
+        return (batch, w * seq_local, self.heads, d)
+
+    def output_view_shape(self, batch: int, seq_local: int) -> tuple[int, int, int, int]:
+        """The output as ``[B, tokens, heads, D]`` (the push kernel's destination geometry)."""
+        w, d = self.world_size, self.head_dim
+        if self.direction == GATHER_TOKENS:
+            return (batch, seq_local, w * self.heads, d)
+        return (batch, w * seq_local, self.heads, d)
+
+    def steps(self, part: int, seq_local: int) -> tuple[int, int, int, int, int]:
+        """``(src_s_step, src_h_step, dst_s_step, dst_h_step, offset)`` of part ``part``."""
+        if self.direction == GATHER_TOKENS:
+            return (seq_local, 0, 0, self.heads, self.part_offset(part))
+        return (0, self.part_heads[0], seq_local, 0, 0)

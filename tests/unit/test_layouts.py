@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from cake_sp.session.plan import (
+from cake_sp.layouts import (
     KIND_K,
     KIND_Q,
     KIND_V,

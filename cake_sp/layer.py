@@ -1,0 +1,265 @@
+"""``UlyssesAttention``: the whole sequence-parallel attention layer (DESIGN.md section 6).
+
+Per rank, for its token shard ``x [B, S_local, hidden]`` (global position of token
+``s`` of rank ``r``: ``r * S_local + s``)::
+
+    q, k, v = session(x, qkv_weight, q_norm_weight, k_norm_weight, rope, positions, qkv_bias)
+                                       # front end: GEMM -> QK RMSNorm -> RoPE -> scatter by heads
+    o = attention(q, k, v)             # this rank's head band over the whole sequence
+    y = gather_by_tokens(o) @ o_weight.T (+ o_bias)   # back end: o_proj as rows arrive
+
+The front end is a ``QkvNormRopeExchangeOverlap`` session; the back end a
+``BandExchange`` of the same backend whose receive slot the o_proj GEMM reads
+row chunk by row chunk as the readiness words say the chunk is there (NVLink),
+or after one asynchronous all-to-all (NCCL).  Both steps are
+``torch.autograd.Function``s (``session/autograd.py``); the backward mirrors them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from cake_sp.attention import attention, resolve_attention_backend
+from cake_sp.kernels import _config
+from cake_sp.layouts import GATHER_TOKENS, SCATTER_HEADS, BandTransfer
+from cake_sp.session.autograd import OutputProjectionFunction
+from cake_sp.session.bands import make_band_exchange
+from cake_sp.session.overlap import QkvNormRopeExchangeOverlap, _resolve_device, resolve_group
+
+# The o_proj GEMM of the NVLink path takes the gathered rows in this many chunks (each
+# a multiple of the push's row block), so the first chunk's GEMM runs while the later
+# rows are still arriving; calls below OUTPUT_CHUNK_MIN_ROWS rows a chunk take one GEMM.
+OUTPUT_CHUNKS = 4
+OUTPUT_CHUNK_MIN_ROWS = 1024
+
+
+def output_row_chunks(rows: int, block_m: int, backend: str) -> list[tuple[int, int]]:
+    """``(first_row, rows)`` pieces of the o_proj GEMM for a call of ``rows`` rows."""
+    chunks = min(OUTPUT_CHUNKS, rows // OUTPUT_CHUNK_MIN_ROWS) if backend == "nvlink" else 1
+    if chunks <= 1:
+        return [(0, rows)]
+    step = -(-rows // chunks // block_m) * block_m
+    return [(first, min(step, rows - first)) for first in range(0, rows, step)]
+
+
+class UlyssesAttention(nn.Module):
+    """Ulysses sequence-parallel attention: QKV projection, per-head Q/K RMSNorm, RoPE,
+    attention over the whole sequence on each rank's head band, and the output projection.
+
+    Parameters
+    ----------
+    hidden, num_q_heads, num_kv_heads, head_dim : int
+        Model shape (``head_dim`` in 64, 128, 256; ``num_q_heads`` divisible by the group
+        size; ``num_kv_heads`` dividing or divisible by it).
+    group : ProcessGroup or 1-D DeviceMesh, optional
+        The sequence-parallel group (None: the default group).
+    max_tokens : int
+        Most rows ``B * S_local`` one call may have; buffers are sized from it once.
+    qkv_bias, o_bias : bool
+        Whether the projections have biases.
+    qk_norm : bool
+        Per-head RMSNorm of Q and K before RoPE (Qwen3, FLUX); off for Llama/Qwen2.
+    rope_style : {"neox", "interleaved"}
+        ``rotate_half`` pairs ``(i, i + D/2)`` (Llama, Qwen) or pairs ``(2i, 2i+1)`` (FLUX).
+    causal : bool
+        Causal attention over global token order (source rank, then position).
+    eps : float
+        RMSNorm epsilon.
+    softmax_scale : float, optional
+        Defaults to ``head_dim ** -0.5``.
+    attention_backend : {"auto", "sdpa", "flash"}
+        See ``cake_sp.attention``; ``extra_repr`` shows the choice and why.
+    backend : {"auto", "nvlink", "nccl"}
+        The exchanges' backend (see ``QkvNormRopeExchangeOverlap``).
+    o_proj : bool
+        Without it (FLUX single-stream blocks), the layer returns the token-order
+        attention output ``[B, S_local, Hq * D]`` and has no ``o_weight``.
+    num_slots : int
+        Receive slots of each exchange: how many calls' outputs stay valid, and how
+        many forwards may await their backward at once (``num_slots - 1``).
+    device, dtype :
+        Where the parameters live (the current CUDA device, or the CPU); bf16 only.
+
+    Parameters (``nn.Parameter``): ``qkv_weight [(Hq + 2*Hkv) * D, hidden]``,
+    ``qkv_bias [(Hq + 2*Hkv) * D]``, ``q_norm_weight [D]``, ``k_norm_weight [D]``,
+    ``o_weight [hidden, Hq * D]``, ``o_bias [hidden]`` (each where enabled).
+
+    Construction is collective over ``group``: every rank builds the layer with the
+    same arguments, or every rank raises the same error.  So is every call.
+    """
+
+    def __init__(self, hidden: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
+                 group: dist.ProcessGroup | None = None, max_tokens: int,
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = True,
+                 rope_style: str = "neox", causal: bool = True, eps: float = 1e-6,
+                 softmax_scale: float | None = None, attention_backend: str = "auto",
+                 backend: str = "auto", o_proj: bool = True, num_slots: int = 2,
+                 wait_timeout_s: float = 30.0, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        group = resolve_group(group)
+        device = _resolve_device(device)
+        options = dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, causal=causal,
+                       softmax_scale=softmax_scale, attention_backend=attention_backend,
+                       o_proj=o_proj, dtype=str(dtype))
+        error = None
+        try:
+            self._check_options(options, dtype, device)
+            self.attention_backend, self.attention_reason = resolve_attention_backend(
+                attention_backend, device)
+        except (ValueError, TypeError, ImportError) as exc:
+            error = (type(exc).__name__, str(exc))
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (options, error), group=group)
+        _raise_first(gathered)
+        self.hidden, self.num_q_heads, self.num_kv_heads = hidden, num_q_heads, num_kv_heads
+        self.head_dim, self.causal, self.max_tokens = head_dim, causal, max_tokens
+        self.softmax_scale = softmax_scale
+        self.session = QkvNormRopeExchangeOverlap(
+            group, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            hidden=hidden, max_tokens=max_tokens, num_slots=num_slots, rope_style=rope_style,
+            eps=eps, backend=backend, device=device, wait_timeout_s=wait_timeout_s)
+        plan = self.session.plan
+        self._group, self._num_slots, self._timeout = group, num_slots, wait_timeout_s
+        self._gather = make_band_exchange(
+            self.session.backend, group,
+            BandTransfer(GATHER_TOKENS, plan.world_size, (plan.q_per_rank,), head_dim),
+            max_tokens=max_tokens, num_slots=num_slots, device=device,
+            wait_timeout_s=wait_timeout_s, what="output exchange")
+        self._scatter = None  # the backward's, built by the first forward that needs it
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+        n_qkv = (num_q_heads + 2 * num_kv_heads) * head_dim
+        self.qkv_weight = param(n_qkv, hidden)
+        self.qkv_bias = param(n_qkv) if qkv_bias else None
+        self.q_norm_weight = param(head_dim) if qk_norm else None
+        self.k_norm_weight = param(head_dim) if qk_norm else None
+        self.o_weight = param(hidden, num_q_heads * head_dim) if o_proj else None
+        self.o_bias = param(hidden) if o_proj and o_bias else None
+        self.reset_parameters()
+
+    @staticmethod
+    def _check_options(options: dict, dtype: torch.dtype, device: torch.device) -> None:
+        if dtype != torch.bfloat16:
+            raise TypeError(f"dtype must be torch.bfloat16 (the layer computes in bf16; keep "
+                            f"fp32 master weights with torch.autocast), got {dtype}")
+        scale = options["softmax_scale"]
+        if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
+                                      and scale > 0):
+            raise ValueError(f"softmax_scale must be a positive finite number or None, got "
+                             f"{scale!r}")
+        if options["o_bias"] and not options["o_proj"]:
+            raise ValueError("o_bias=True needs o_proj=True")
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation for the projections; ones for the norm weights."""
+        for weight, bias in ((self.qkv_weight, self.qkv_bias), (self.o_weight, self.o_bias)):
+            if weight is None:
+                continue
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+            if bias is not None:
+                bound = 1 / math.sqrt(weight.shape[1])
+                nn.init.uniform_(bias, -bound, bound)
+        for norm in (self.q_norm_weight, self.k_norm_weight):
+            if norm is not None:
+                nn.init.ones_(norm)
+
+    @property
+    def backend(self) -> str:
+        return self.session.backend
+
+    @property
+    def backend_reason(self) -> str:
+        return self.session.backend_reason
+
+    def forward(self, x: Tensor, rope_cos_sin: Tensor, positions: Tensor | None = None) -> Tensor:
+        """``y [B, S_local, hidden]`` bf16 (``[B, S_local, Hq * D]`` without o_proj).
+
+        x : bf16 ``[B, S_local, hidden]``, this rank's tokens (any dtype under autocast).
+        rope_cos_sin : fp32 ``[B * S_local, D]`` per token (cos of the D/2 frequencies,
+            then sin), or ``[max_pos, D]`` indexed by ``positions [B, S_local]``.
+
+        Every rank of the group calls, in the same order.  Without grad the result of
+        the no-o_proj layer is a view of a receive slot (valid ``num_slots - 1`` further
+        calls); with grad every slot a call's autograd state reads stays leased until
+        its backward.
+        """
+        params = [self.qkv_weight, self.qkv_bias, self.q_norm_weight, self.k_norm_weight,
+                  self.o_weight, self.o_bias]
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.bfloat16)
+            params = [None if p is None else p.to(torch.bfloat16) for p in params]
+        qkv_weight, qkv_bias, q_norm, k_norm, o_weight, o_bias = params
+        with torch.autocast(x.device.type, enabled=False):
+            q, k, v = self.session(x, qkv_weight, q_norm, k_norm, rope_cos_sin, positions,
+                                   qkv_bias)
+            o = attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
+                          backend=self.attention_backend)
+            rows = x.shape[0] * x.shape[1]
+            chunks = output_row_chunks(rows, _config.BAND_PUSH_BLOCK_M, self.backend)
+            scatter = self._backward_exchange() if torch.is_grad_enabled() else None
+            return OutputProjectionFunction.apply(self._gather, scatter, chunks, o, o_weight,
+                                                  o_bias)
+
+    def _backward_exchange(self):
+        """The scatter by heads of ``d_o``, built by the first forward under grad (collective:
+        every rank makes that forward)."""
+        if self._scatter is None:
+            plan = self.session.plan
+            self._scatter = make_band_exchange(
+                self.backend, self._group,
+                BandTransfer(SCATTER_HEADS, plan.world_size, (plan.q_per_rank,), self.head_dim),
+                max_tokens=self.max_tokens, num_slots=self._num_slots,
+                device=self.session.device, wait_timeout_s=self._timeout,
+                what="output exchange backward")
+        return self._scatter
+
+    def synchronize(self) -> None:
+        """Wait for this rank's enqueued work; raise if an exchange timed out (see the session)."""
+        self.session.synchronize()
+        for exchange in (self._gather, self._scatter):
+            if exchange is not None:
+                exchange.check()
+
+    def close(self) -> None:
+        """Release the exchanges' buffers (collective on the NVLink path).  Idempotent."""
+        self.session.close()
+        for exchange in (self._gather, self._scatter):
+            if exchange is not None:
+                exchange.close()
+        self._gather = self._scatter = None
+
+    def __enter__(self) -> UlyssesAttention:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def extra_repr(self) -> str:
+        plan = self.session.plan
+        return (f"hidden={self.hidden}, heads={self.num_q_heads}/{self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, world_size={plan.world_size}, "
+                f"causal={self.causal}, o_proj={self.o_weight is not None}, "
+                f"backend={self.backend!r} ({self.backend_reason}), "
+                f"attention_backend={self.attention_backend!r} ({self.attention_reason})")
+
+
+def _raise_first(gathered: list) -> None:
+    """Raise the first rank's error on every rank; ``ValueError`` if the options differ."""
+    errors = {"ValueError": ValueError, "TypeError": TypeError, "ImportError": ImportError}
+    for rank, (_, error) in enumerate(gathered):
+        if error is not None:
+            raise errors[error[0]](f"UlyssesAttention: {error[1]} (rank {rank})")
+    first = gathered[0][0]
+    for rank, (options, _) in enumerate(gathered[1:], start=1):
+        differing = sorted(k for k in options if options[k] != first[k])
+        if differing:
+            detail = ", ".join(f"{k}: {first[k]!r} vs {options[k]!r}" for k in differing)
+            raise ValueError(f"UlyssesAttention: ranks built the layer with different options "
+                             f"(rank 0 vs rank {rank}: {detail})")

@@ -1,0 +1,306 @@
+"""``UlyssesAttention`` on 2, 4 and 8 spawned ranks: forward and every gradient against the
+float64 reference of the whole layer, slot leases under autograd, checkpointing, bad input.
+
+Every rank checks its own ``y`` and ``dx``; parameter gradients (each rank's
+contribution from its own tokens) are summed over the group first, as a
+data-parallel reduction would, and compared with the full-sequence gradient.
+On CPUs the ranks use gloo and the NCCL path; ``CAKE_SP_TEST_DEVICE`` (see
+``_ranks.py``) runs the same cases on GPUs, ``CAKE_SP_TEST_WORLDS`` picks W.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from _layer_inputs import (
+    FORWARD_RTOL,
+    GRAD_RTOL,
+    PARAM_NAMES,
+    make_layer_problem,
+    reference_layer,
+    relative_error,
+)
+from _ranks import TEST_DEVICE, run_cases
+from torch.utils.checkpoint import checkpoint
+
+from cake_sp import SlotInUseError, UlyssesAttention
+
+pytestmark = pytest.mark.multi_gpu
+
+WORLDS = [int(w) for w in os.environ.get("CAKE_SP_TEST_WORLDS", "2,4,8").split(",")]
+EXPECTED_BACKEND = os.environ.get("CAKE_SP_TEST_BACKEND", "nccl")
+HIDDEN = 64 if TEST_DEVICE == "cpu" else 512
+HEAD_DIM = 64
+
+
+def _heads(world: int, kind: str) -> tuple[int, int]:
+    return {"mha": (world, world), "gqa_split": (2 * world, world),
+            "gqa_replicate": (world, max(1, world // 4))}[kind]
+
+
+def _build(ctx, hq, hkv, *, max_tokens=64, **options) -> UlyssesAttention:
+    return UlyssesAttention(HIDDEN, hq, hkv, HEAD_DIM, max_tokens=max_tokens, device=ctx.device,
+                            **options)
+
+
+def _load(layer: UlyssesAttention, params: dict) -> None:
+    with torch.no_grad():
+        for name, value in params.items():
+            if value is not None:
+                getattr(layer, name).copy_(value)
+
+
+def _run(ctx, layer, problem, *, grad=True):
+    """This rank's ``(y, x.grad, {name: param grad summed over the group})``."""
+    r, dev = ctx.rank, ctx.device
+    x = problem.xs[r].to(dev).requires_grad_(grad)
+    positions = None if problem.positions is None else problem.positions[r].to(dev)
+    y = layer(x, problem.tables[r].to(dev), positions)
+    if not grad:
+        return y, None, {}
+    y.backward(problem.dys[r].to(dev))
+    grads = {}
+    for name in PARAM_NAMES:
+        p = getattr(layer, name)
+        if p is not None:
+            total = p.grad.float().clone()
+            dist.all_reduce(total)
+            grads[name] = total
+            p.grad = None
+    return y, x.grad, grads
+
+
+def _errors(ctx, y, dx, grads, want_y, want_grads) -> dict:
+    errors = {"y": relative_error(y, want_y[ctx.rank])}
+    if dx is not None:
+        errors["dx"] = relative_error(dx, want_grads["x"][ctx.rank])
+    for name, g in grads.items():
+        errors[f"d_{name}"] = relative_error(g, want_grads[name])
+    return errors
+
+
+def _check_layer(ctx, kind, *, batch=2, seq_local=13, rope_style="neox", causal=True,
+                 qkv_bias=True, o_bias=True, qk_norm=True, o_proj=True, positions=False,
+                 seed=0):
+    hq, hkv = _heads(ctx.world_size, kind)
+    options = dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, o_proj=o_proj)
+    problem = make_layer_problem(seed, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
+                                 num_kv_heads=hkv, head_dim=HEAD_DIM, batch=batch,
+                                 seq_local=seq_local, positions=positions, **options)
+    want_y, want_grads = reference_layer(problem, num_q_heads=hq, num_kv_heads=hkv,
+                                         rope_style=rope_style, causal=causal)
+    with _build(ctx, hq, hkv, rope_style=rope_style, causal=causal, **options) as layer:
+        _load(layer, problem.params)
+        y, dx, grads = _run(ctx, layer, problem)
+        report = {"backend": layer.backend, "reason": layer.backend_reason,
+                  "errors": _errors(ctx, y, dx, grads, want_y, want_grads)}
+        # Forward only, under no_grad: the same y, and no autograd state.
+        with torch.no_grad():
+            y_eval, _, _ = _run(ctx, layer, problem, grad=False)
+        report["no_grad_equal"] = bool(torch.equal(y_eval, y.detach()))
+        report["no_grad_graph"] = y_eval.grad_fn is not None
+    return report
+
+
+def case_gqa_split_neox_causal(ctx):
+    return _check_layer(ctx, "gqa_split")
+
+
+def case_mha_interleaved_noncausal_positions_no_bias(ctx):
+    return _check_layer(ctx, "mha", rope_style="interleaved", causal=False, qkv_bias=False,
+                        o_bias=False, positions=True, batch=1, seq_local=20)
+
+
+def case_gqa_replicate_tails_no_norm(ctx):
+    return _check_layer(ctx, "gqa_replicate", qk_norm=False, seq_local=7, o_bias=False)
+
+
+def case_no_o_proj_flux_like(ctx):
+    return _check_layer(ctx, "mha", o_proj=False, o_bias=False, rope_style="interleaved",
+                        causal=False)
+
+
+def case_slot_leases_under_autograd(ctx):
+    """Two forwards awaiting their backward fill both slots: a third raises on every rank
+    before sending anything; each backward still gets its own correct gradients."""
+    hq, hkv = _heads(ctx.world_size, "gqa_split")
+    problems = [make_layer_problem(40 + i, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
+                                   num_kv_heads=hkv, head_dim=HEAD_DIM, batch=1, seq_local=9,
+                                   qkv_bias=True, o_bias=False, qk_norm=True)
+                for i in range(3)]
+    for p in problems[1:]:  # one layer: the same parameters for every call
+        p.params = problems[0].params
+    wants = [reference_layer(p, num_q_heads=hq, num_kv_heads=hkv, rope_style="neox",
+                             causal=True) for p in problems]
+    r, dev = ctx.rank, ctx.device
+    report = {"errors": {}}
+    with _build(ctx, hq, hkv, qkv_bias=True, qk_norm=True, num_slots=2) as layer:
+        _load(layer, problems[0].params)
+        xs = [p.xs[r].to(dev).requires_grad_(True) for p in problems]
+        ys = [layer(xs[i], problems[i].tables[r].to(dev)) for i in range(2)]
+        try:
+            layer(xs[2], problems[2].tables[r].to(dev))
+            report["third_forward"] = "no error"
+        except SlotInUseError as exc:
+            report["third_forward"] = str(exc)
+        for i in (0, 1):  # backward of the first forward, then of the second
+            ys[i].backward(problems[i].dys[r].to(dev))
+            report["errors"][f"y{i}"] = relative_error(ys[i], wants[i][0][r])
+            report["errors"][f"dx{i}"] = relative_error(xs[i].grad, wants[i][1]["x"][r])
+            if i == 0:  # a slot is free again: a forward now runs, its result is right
+                y2 = layer(xs[2], problems[2].tables[r].to(dev))
+                report["errors"]["y2"] = relative_error(y2, wants[2][0][r])
+                del y2
+    return report
+
+
+def case_checkpoint_and_inference(ctx):
+    """Non-reentrant activation checkpointing gives the same gradients; no_grad and
+    inference_mode calls keep no lease (more calls than slots run)."""
+    hq, hkv = _heads(ctx.world_size, "mha")
+    problem = make_layer_problem(7, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
+                                 num_kv_heads=hkv, head_dim=HEAD_DIM, batch=1, seq_local=11,
+                                 qkv_bias=True, o_bias=True, qk_norm=True)
+    r, dev = ctx.rank, ctx.device
+    report = {}
+    with _build(ctx, hq, hkv, qkv_bias=True, o_bias=True) as layer:
+        _load(layer, problem.params)
+        table = problem.tables[r].to(dev)
+        x = problem.xs[r].to(dev).requires_grad_(True)
+        layer(x, table).backward(problem.dys[r].to(dev))
+        plain = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        checkpoint(layer, x, table, use_reentrant=False).backward(problem.dys[r].to(dev))
+        ckpt = [x.grad] + [p.grad for p in layer.parameters()]
+        report["checkpoint_equal"] = all(torch.equal(a, b) for a, b in zip(plain, ckpt))
+        with torch.no_grad():
+            outs = [layer(x, table) for _ in range(3)]
+        with torch.inference_mode():
+            outs += [layer(problem.xs[r].to(dev), table) for _ in range(3)]
+        report["inference_equal"] = all(torch.equal(o, outs[0]) for o in outs)
+    return report
+
+
+def _expect_error(make, exc_type, fragment):
+    try:
+        make()
+    except exc_type as exc:
+        if fragment not in str(exc):
+            raise AssertionError(f"error lacks {fragment!r}: {exc}") from exc
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    raise AssertionError(f"no {exc_type.__name__} raised (expected one mentioning {fragment!r})")
+
+
+def case_bad_arguments_raise_everywhere(ctx):
+    w = ctx.world_size
+    base = dict(max_tokens=32, device=ctx.device)
+    report = {
+        "dtype": _expect_error(lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base,
+                                                        dtype=torch.float32),
+                               TypeError, "dtype must be torch.bfloat16"),
+        "attention_backend": _expect_error(
+            lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base, attention_backend="xla"),
+            ValueError, "attention_backend must be one of"),
+        "heads": _expect_error(lambda: UlyssesAttention(HIDDEN, w + 1, 1, HEAD_DIM, **base),
+                               ValueError, "divisible by the world size"),
+        # Only rank 0 differs: every rank must still raise, none may hang.
+        "mismatch": _expect_error(
+            lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base, causal=ctx.rank != 0),
+            ValueError, "different options"),
+    }
+    if ctx.device.type == "cpu":
+        report["flash_on_cpu"] = _expect_error(
+            lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base, attention_backend="flash"),
+            ImportError, "CUDA GPUs only")
+    with _build(ctx, w, w, max_tokens=32) as layer:
+        table = torch.zeros(8, HEAD_DIM, device=ctx.device)
+        report["x_dtype"] = _expect_error(
+            lambda: layer(torch.zeros(1, 8, HIDDEN, device=ctx.device), table), TypeError,
+            "x must have dtype")
+        report["rows"] = _expect_error(
+            lambda: layer(torch.zeros(1, 33, HIDDEN, dtype=torch.bfloat16, device=ctx.device),
+                          torch.zeros(33, HEAD_DIM, device=ctx.device)),
+            ValueError, "max_tokens=32")
+        report["repr"] = repr(layer)
+    return report
+
+
+CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no_bias,
+         case_gqa_replicate_tails_no_norm, case_no_o_proj_flux_like,
+         case_slot_leases_under_autograd, case_checkpoint_and_inference,
+         case_bad_arguments_raise_everywhere]
+REFERENCE_CASES = CASES[:4]
+
+
+def _ok(world, per_rank, name):
+    for rank, report in enumerate(per_rank):
+        assert "error" not in report, (f"W={world} rank {rank} {name}: {report.get('type')}: "
+                                       f"{report.get('error')}\n{report.get('traceback', '')}")
+
+
+def _check_errors(world, name, per_rank) -> str:
+    _ok(world, per_rank, name)
+    worst = {}
+    for report in per_rank:
+        for what, err in report["errors"].items():
+            worst[what] = max(worst.get(what, 0.0), err)
+            bound = FORWARD_RTOL if what.startswith("y") else GRAD_RTOL
+            assert err <= bound, f"W={world} {name}: {what} relative error {err:.3g} > {bound}"
+        if "backend" in report:
+            assert report["backend"] == EXPECTED_BACKEND, report["reason"]
+        if "no_grad_equal" in report:
+            assert report["no_grad_equal"] and not report["no_grad_graph"]
+    return "worst relative errors " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+
+
+def _check_leases(world, name, per_rank) -> str:
+    summary = _check_errors(world, name, per_rank)
+    for report in per_rank:
+        assert "num_slots=2" in report["third_forward"], report["third_forward"]
+    return "a third forward raised on every rank; " + summary
+
+
+def _check_checkpoint(world, name, per_rank) -> str:
+    _ok(world, per_rank, name)
+    assert all(r["checkpoint_equal"] and r["inference_equal"] for r in per_rank)
+    return "checkpointed gradients equal; inference calls equal"
+
+
+def _check_bad_arguments(world, name, per_rank) -> str:
+    _ok(world, per_rank, name)
+    for bad in per_rank[0]:
+        if bad != "repr":
+            assert len({r[bad]["message"] for r in per_rank}) == 1, bad
+    return "every rank raised the same errors"
+
+
+CHECKS = {
+    **{case.__name__: _check_errors for case in REFERENCE_CASES},
+    case_slot_leases_under_autograd.__name__: _check_leases,
+    case_checkpoint_and_inference.__name__: _check_checkpoint,
+    case_bad_arguments_raise_everywhere.__name__: _check_bad_arguments,
+}
+assert set(CHECKS) == {case.__name__ for case in CASES}, "every case needs its check"
+
+
+def layer_verdict(world: int, name: str, per_rank: list[dict]) -> str:
+    try:
+        return "passed: " + CHECKS[name](world, name, per_rank)
+    except Exception as exc:  # a verdict never stops the run; the tests report in full
+        return f"FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
+def reports(request):
+    return request.param, run_cases(request.param, CASES, layer_verdict)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
+def test_layer(reports, case):
+    world, by_case = reports
+    name = case.__name__
+    print(f"W={world} {name}: {CHECKS[name](world, name, by_case[name])}")
