@@ -35,6 +35,7 @@ from cake_sp.session.overlap import QkvNormRopeExchangeOverlap, _resolve_device,
 # rows are still arriving; calls below OUTPUT_CHUNK_MIN_ROWS rows a chunk take one GEMM.
 OUTPUT_CHUNKS = 4
 OUTPUT_CHUNK_MIN_ROWS = 1024
+PARAM_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def output_row_chunks(rows: int, block_m: int, backend: str) -> list[tuple[int, int]]:
@@ -82,7 +83,8 @@ class UlyssesAttention(nn.Module):
         Receive slots of each exchange: how many calls' outputs stay valid, and how
         many forwards may await their backward at once (``num_slots - 1``).
     device, dtype :
-        Where the parameters live (the current CUDA device, or the CPU); bf16 only.
+        Where the parameters live (the current CUDA device, or the CPU), and their dtype:
+        bf16, or fp32 master weights (cast to bf16 in each forward, fp32 gradients).
 
     Parameters (``nn.Parameter``): ``qkv_weight [(Hq + 2*Hkv) * D, hidden]``,
     ``qkv_bias [(Hq + 2*Hkv) * D]``, ``q_norm_weight [D]``, ``k_norm_weight [D]``,
@@ -146,9 +148,9 @@ class UlyssesAttention(nn.Module):
 
     @staticmethod
     def _check_options(options: dict, dtype: torch.dtype, device: torch.device) -> None:
-        if dtype != torch.bfloat16:
-            raise TypeError(f"dtype must be torch.bfloat16 (the layer computes in bf16; keep "
-                            f"fp32 master weights with torch.autocast), got {dtype}")
+        if dtype not in PARAM_DTYPES:
+            raise TypeError(f"dtype must be torch.bfloat16 or torch.float32 (fp32 master "
+                            f"weights; the layer computes in bf16 either way), got {dtype}")
         scale = options["softmax_scale"]
         if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
                                       and scale > 0):
@@ -181,7 +183,7 @@ class UlyssesAttention(nn.Module):
     def forward(self, x: Tensor, rope_cos_sin: Tensor, positions: Tensor | None = None) -> Tensor:
         """``y [B, S_local, hidden]`` bf16 (``[B, S_local, Hq * D]`` without o_proj).
 
-        x : bf16 ``[B, S_local, hidden]``, this rank's tokens (any dtype under autocast).
+        x : bf16 ``[B, S_local, hidden]``, this rank's tokens (fp32 is cast to bf16).
         rope_cos_sin : fp32 ``[B * S_local, D]`` per token (cos of the D/2 frequencies,
             then sin), or ``[max_pos, D]`` indexed by ``positions [B, S_local]``.
 
@@ -190,11 +192,13 @@ class UlyssesAttention(nn.Module):
         calls); with grad every slot a call's autograd state reads stays leased until
         its backward.
         """
-        params = [self.qkv_weight, self.qkv_bias, self.q_norm_weight, self.k_norm_weight,
-                  self.o_weight, self.o_bias]
-        if torch.is_autocast_enabled(x.device.type):
+        # Differentiable casts: fp32 master weights get fp32 gradients (no-ops for bf16).
+        params = [None if p is None else p.to(torch.bfloat16)
+                  for p in (self.qkv_weight, self.qkv_bias, self.q_norm_weight,
+                            self.k_norm_weight, self.o_weight, self.o_bias)]
+        if x.dtype != torch.bfloat16 and (x.dtype == torch.float32 or
+                                          torch.is_autocast_enabled(x.device.type)):
             x = x.to(torch.bfloat16)
-            params = [None if p is None else p.to(torch.bfloat16) for p in params]
         qkv_weight, qkv_bias, q_norm, k_norm, o_weight, o_bias = params
         with torch.autocast(x.device.type, enabled=False):
             q, k, v = self.session(x, qkv_weight, q_norm, k_norm, rope_cos_sin, positions,

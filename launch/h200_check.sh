@@ -10,7 +10,10 @@
 # CAKE_SP_TEST_CALLS / CAKE_SP_TEST_CASES the back-to-back call count and a subset of the
 # cases, see tests/multi_gpu/test_session.py), demo (one rank, NCCL path),
 # sanitizer (compute-sanitizer memcheck + racecheck on the in-process NVLink protocol),
-# bench-producer, bench-append, bench-fmha, bench-comm (the comm benchmark with ranks sharing GPU 0).
+# bench-producer, bench-append, bench-fmha, bench-comm (the comm benchmark with ranks sharing GPU 0),
+# kernels-band (the band push with virtual ranks), layer-shared (UlyssesAttention with W = 2, 4
+# processes sharing GPU 0 over NVLink), bench-layer (the layer benchmark, one rank) and
+# bench-layer-shared (its smoke run with two ranks sharing GPU 0).
 # Stages joined by "+" form a lane and run one after another (kernels-nvlink+shared).
 # PARALLEL=1 runs the lanes concurrently (test stages only: benchmarks need the GPU to
 # themselves); on a machine with several GPUs each lane gets its own GPU, in turn (lane i on
@@ -26,8 +29,9 @@ mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" > /dev/null && [ ! -d /tmp/site/nvshmem ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+# Also on a machine still warm from an earlier call, where the wheels are already there.
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 PY=python3
 # -v: one line per test as it ends, so a stage cut by its time limit still names what failed.
@@ -92,6 +96,10 @@ run_named() {
         shared) run_stage shared env CAKE_SP_TEST_DEVICE=cuda-shared CAKE_SP_TEST_BACKEND=nvlink \
                     CAKE_SP_TEST_WORLDS=${SHARED_WORLDS:-2,4,8} \
                     "${PYTEST_SERIAL[@]}" -s tests/multi_gpu/test_session.py ;;
+        layer-shared) run_stage layer-shared env CAKE_SP_TEST_DEVICE=cuda-shared \
+                          CAKE_SP_TEST_BACKEND=nvlink CAKE_SP_TEST_WORLDS=${SHARED_WORLDS:-2,4} \
+                          "${PYTEST_SERIAL[@]}" -s tests/multi_gpu/test_layer.py ;;
+        kernels-band) run_stage kernels-band "${PYTEST[@]}" tests/kernels/test_band_push.py ;;
         demo) run_stage demo torchrun --standalone --nproc-per-node=1 launch/demo.py ;;
         sanitizer)
             # The in-process protocol (W = 2), and the producer without signals (the NCCL
@@ -108,6 +116,12 @@ run_named() {
                           --json "$OUT/bench_append.json" ;;
         bench-fmha) run_stage bench-fmha $PY benchmarks/kernels/bench_fmha.py \
                         --json "$OUT/bench_fmha.json" ;;
+        bench-layer) run_stage bench-layer torchrun --standalone --nproc-per-node=1 \
+                         benchmarks/layer/bench_ulysses_attention.py --json "$OUT/bench_layer.json" \
+                         ${BENCH_LAYER_ARGS:-} ;;
+        bench-layer-shared) run_stage bench-layer-shared env CAKE_SP_ALLOW_SHARED_GPU=1 torchrun \
+                                --standalone --nproc-per-node=2 \
+                                benchmarks/layer/bench_ulysses_attention.py --rows smoke ;;
         bench-comm) run_stage bench-comm env CAKE_SP_ALLOW_SHARED_GPU=1 torchrun --standalone \
                         --nproc-per-node=2 benchmarks/comm/bench_qkv_norm_rope_exchange_overlap.py \
                         --dist-backend gloo --rows representative --json "$OUT/bench_comm.json" ;;

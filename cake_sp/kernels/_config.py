@@ -46,6 +46,12 @@ WAIT_NUM_WARPS: int = 4
 BAND_PUSH_BLOCK_M: int = 64
 BAND_PUSH_NUM_WARPS: int = 4
 
+# -- front_end_backward.py ----------------------------------------------------
+# Rows per program (one head of D columns): the six fp32 [BLOCK_M, D] tiles of the norm
+# backward stay in registers at 4 warps.
+FRONT_END_BACKWARD_BLOCK_M: int = 32
+FRONT_END_BACKWARD_NUM_WARPS: int = 4
+
 # -- producer.py --------------------------------------------------------------
 # Rows per tile: see producer_block_m.  Readiness words are kept per row block,
 # so the session builds its ReadinessLayout with the block_m it launches with.

@@ -59,7 +59,7 @@ def _band_push_kernel(src_ptr, dest_table_ptr, epoch_ptr, enter_ptr, word_table_
     s = offs_m - b * seq_local
     cols = tl.arange(0, D)
     src_rows = b * src_sb + (s + dest * src_s_step) * src_ss + (head + dest * src_h_step) * src_sh
-    src = tl.max_contiguous(tl.multiple_of(src_ptr + src_rows[:, None] + cols[None, :], [1, 8]),
+    src = tl.max_contiguous(tl.multiple_of(src_ptr + src_rows[:, None] + cols[None, :], [1, 16]),
                             [1, D])
     values = tl.load(src, mask=row_ok[:, None])
 
@@ -75,7 +75,7 @@ def _band_push_kernel(src_ptr, dest_table_ptr, epoch_ptr, enter_ptr, word_table_
                     + (head + source_rank * dst_h_step + offset) * dst_sh)
         # A pointer made from an integer has no known alignment; the launcher checks that
         # every stride is a multiple of 8 elements and the buffers are 16-byte aligned.
-        dst = tl.max_contiguous(tl.multiple_of(base + dst_rows[:, None] + cols[None, :], [1, 8]),
+        dst = tl.max_contiguous(tl.multiple_of(base + dst_rows[:, None] + cols[None, :], [1, 16]),
                                 [1, D])
         tl.store(dst, values, mask=row_ok[:, None])
         if SIGNAL:

@@ -85,6 +85,9 @@ def _rank_main(rank: int, world: int, port: int, cases: list, verdict, out_dir: 
             print(line, file=sys.stderr, flush=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(reports, f)
+    # Every rank past its last collective before any tears down: a gloo rank that closes
+    # its pairs while a peer still reads from them aborts that peer (SIGABRT at exit).
+    dist.barrier()
     dist.destroy_process_group()
 
 

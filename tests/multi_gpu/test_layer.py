@@ -34,6 +34,7 @@ WORLDS = [int(w) for w in os.environ.get("CAKE_SP_TEST_WORLDS", "2,4,8").split("
 EXPECTED_BACKEND = os.environ.get("CAKE_SP_TEST_BACKEND", "nccl")
 HIDDEN = 64 if TEST_DEVICE == "cpu" else 512
 HEAD_DIM = 64
+BACK_TO_BACK_CALLS = int(os.environ.get("CAKE_SP_TEST_CALLS", "1000"))
 
 
 def _heads(world: int, kind: str) -> tuple[int, int]:
@@ -200,8 +201,8 @@ def case_bad_arguments_raise_everywhere(ctx):
     base = dict(max_tokens=32, device=ctx.device)
     report = {
         "dtype": _expect_error(lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base,
-                                                        dtype=torch.float32),
-                               TypeError, "dtype must be torch.bfloat16"),
+                                                        dtype=torch.float16),
+                               TypeError, "dtype must be torch.bfloat16 or torch.float32"),
         "attention_backend": _expect_error(
             lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base, attention_backend="xla"),
             ValueError, "attention_backend must be one of"),
@@ -218,9 +219,9 @@ def case_bad_arguments_raise_everywhere(ctx):
             ImportError, "CUDA GPUs only")
     with _build(ctx, w, w, max_tokens=32) as layer:
         table = torch.zeros(8, HEAD_DIM, device=ctx.device)
-        report["x_dtype"] = _expect_error(
-            lambda: layer(torch.zeros(1, 8, HIDDEN, device=ctx.device), table), TypeError,
-            "x must have dtype")
+        half = torch.zeros(1, 8, HIDDEN, dtype=torch.float16, device=ctx.device)
+        report["x_dtype"] = _expect_error(lambda: layer(half, table), TypeError,
+                                          "x must have dtype")
         report["rows"] = _expect_error(
             lambda: layer(torch.zeros(1, 33, HIDDEN, dtype=torch.bfloat16, device=ctx.device),
                           torch.zeros(33, HEAD_DIM, device=ctx.device)),
@@ -229,11 +230,98 @@ def case_bad_arguments_raise_everywhere(ctx):
     return report
 
 
+def _to(problem, device):
+    """The problem's tensors on ``device`` (GPU cases compute the fp64 reference there)."""
+    def on(t):
+        return None if t is None else t.to(device)
+    return type(problem)([on(x) for x in problem.xs],
+                         {k: on(v) for k, v in problem.params.items()},
+                         [on(t) for t in problem.tables],
+                         None if problem.positions is None else [on(p) for p in problem.positions],
+                         [on(d) for d in problem.dys])
+
+
+def case_gpu_real_shape(ctx):
+    """hidden 2048, GQA 16/4, D = 128, 2 x 512 tokens a rank: forward and every gradient."""
+    if ctx.device.type != "cuda":
+        return {"skipped": "GPU only"}
+    hq, hkv, d, hidden = 16, 4, 128, 2048
+    problem = _to(make_layer_problem(9, ctx.world_size, hidden=hidden, num_q_heads=hq,
+                                     num_kv_heads=hkv, head_dim=d, batch=2, seq_local=512,
+                                     qkv_bias=True, o_bias=True, qk_norm=True), ctx.device)
+    want_y, want_grads = reference_layer(problem, num_q_heads=hq, num_kv_heads=hkv,
+                                         rope_style="neox", causal=True)
+    with UlyssesAttention(hidden, hq, hkv, d, max_tokens=1024, qkv_bias=True, o_bias=True,
+                          device=ctx.device) as layer:
+        _load(layer, problem.params)
+        y, dx, grads = _run(ctx, layer, problem)
+        return {"backend": layer.backend, "reason": layer.backend_reason,
+                "errors": _errors(ctx, y, dx, grads, want_y, want_grads)}
+
+
+def case_gpu_graph_capture_and_back_to_back(ctx):
+    """A no-grad layer call captured in a CUDA graph and replayed with fresh inputs between
+    eager calls (each equal to the eager result), then BACK_TO_BACK_CALLS calls of varying
+    sizes without a host sync, every 97th checked, every 50th with a backward."""
+    if ctx.device.type != "cuda":
+        return {"skipped": "GPU only"}
+    hq, hkv = _heads(ctx.world_size, "gqa_split")
+    r, dev = ctx.rank, ctx.device
+    report = {"errors": {}}
+    sizes = [1, 37, 64, 128, 200]
+    problems = {s: make_layer_problem(s, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
+                                      num_kv_heads=hkv, head_dim=HEAD_DIM, batch=1, seq_local=s,
+                                      qkv_bias=True, o_bias=True, qk_norm=True) for s in sizes}
+    for p in problems.values():
+        p.params = problems[sizes[0]].params
+    with _build(ctx, hq, hkv, max_tokens=256, qkv_bias=True, o_bias=True) as layer:
+        _load(layer, problems[sizes[0]].params)
+        report["graph_capturable"] = layer.session.graph_capturable
+        p = problems[64]
+        static_x, table = p.xs[r].to(dev).clone(), p.tables[r].to(dev)
+        with torch.no_grad():
+            layer(static_x, table)  # warm-up: compiles every kernel
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            if report["graph_capturable"]:
+                with torch.cuda.graph(graph):
+                    captured = layer(static_x, table)
+                for i in range(4):
+                    fresh = torch.randn(static_x.shape, generator=torch.Generator().manual_seed(i))
+                    static_x.copy_(fresh.bfloat16().to(dev))
+                    graph.replay()
+                    eager = layer(static_x, table)
+                    torch.cuda.synchronize()
+                    report[f"replay_{i}_equal"] = bool(torch.equal(captured, eager))
+        want = {s: reference_layer(problems[s], num_q_heads=hq, num_kv_heads=hkv,
+                                   rope_style="neox", causal=True)[0][r] for s in sizes}
+        g = torch.Generator().manual_seed(5)  # every rank draws the same sizes
+        checked = []
+        for i in range(BACK_TO_BACK_CALLS):
+            s = sizes[int(torch.randint(len(sizes), (1,), generator=g))]
+            x = problems[s].xs[r].to(dev)
+            if i % 50 == 0:
+                x.requires_grad_(True)
+                y = layer(x, problems[s].tables[r].to(dev))
+                y.backward(problems[s].dys[r].to(dev))
+            else:
+                with torch.no_grad():
+                    y = layer(x, problems[s].tables[r].to(dev))
+            if i % 97 == 0:
+                checked.append((i, s, y.detach().clone()))
+        layer.synchronize()
+        for i, s, y in checked:
+            report["errors"][f"y_call{i}"] = relative_error(y, want[s])
+    return report
+
+
 CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no_bias,
          case_gqa_replicate_tails_no_norm, case_no_o_proj_flux_like,
          case_slot_leases_under_autograd, case_checkpoint_and_inference,
-         case_bad_arguments_raise_everywhere]
-REFERENCE_CASES = CASES[:4]
+         case_bad_arguments_raise_everywhere, case_gpu_real_shape,
+         case_gpu_graph_capture_and_back_to_back]
+REFERENCE_CASES = CASES[:4] + [case_gpu_real_shape]
+GPU_CASES = {case_gpu_real_shape.__name__, case_gpu_graph_capture_and_back_to_back.__name__}
 
 
 def _ok(world, per_rank, name):
@@ -270,6 +358,15 @@ def _check_checkpoint(world, name, per_rank) -> str:
     return "checkpointed gradients equal; inference calls equal"
 
 
+def _check_graph_and_calls(world, name, per_rank) -> str:
+    summary = _check_errors(world, name, per_rank)
+    for report in per_rank:
+        replays = [v for k, v in report.items() if k.startswith("replay_")]
+        assert report["graph_capturable"] == (EXPECTED_BACKEND == "nvlink")
+        assert all(replays) and len(replays) == (4 if report["graph_capturable"] else 0)
+    return f"graph replays equal the eager calls; {BACK_TO_BACK_CALLS} calls; " + summary
+
+
 def _check_bad_arguments(world, name, per_rank) -> str:
     _ok(world, per_rank, name)
     for bad in per_rank[0]:
@@ -283,24 +380,33 @@ CHECKS = {
     case_slot_leases_under_autograd.__name__: _check_leases,
     case_checkpoint_and_inference.__name__: _check_checkpoint,
     case_bad_arguments_raise_everywhere.__name__: _check_bad_arguments,
+    case_gpu_graph_capture_and_back_to_back.__name__: _check_graph_and_calls,
 }
 assert set(CHECKS) == {case.__name__ for case in CASES}, "every case needs its check"
 
 
 def layer_verdict(world: int, name: str, per_rank: list[dict]) -> str:
+    if all("skipped" in r for r in per_rank):
+        return f"skipped: {per_rank[0]['skipped']}"
     try:
         return "passed: " + CHECKS[name](world, name, per_rank)
     except Exception as exc:  # a verdict never stops the run; the tests report in full
         return f"FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
 
 
+def _cases() -> list:
+    return [c for c in CASES if TEST_DEVICE != "cpu" or c.__name__ not in GPU_CASES]
+
+
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
 def reports(request):
-    return request.param, run_cases(request.param, CASES, layer_verdict)
+    return request.param, run_cases(request.param, _cases(), layer_verdict)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
 def test_layer(reports, case):
     world, by_case = reports
     name = case.__name__
+    if name not in by_case:
+        pytest.skip("needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared)")
     print(f"W={world} {name}: {CHECKS[name](world, name, by_case[name])}")

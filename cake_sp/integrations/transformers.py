@@ -1,0 +1,132 @@
+"""``apply_ulysses(model)``: Ulysses sequence parallelism for a transformers decoder model.
+
+Every ``Qwen3Attention``, ``Qwen2Attention`` and ``LlamaAttention`` of the model is
+replaced by ``TransformersUlyssesAttention``: a ``UlyssesAttention`` holding the same
+weights (``q_proj``, ``k_proj``, ``v_proj`` fused into ``qkv_weight``; Qwen3's QK-norm
+weights) behind the module's own call contract
+``forward(hidden_states, position_embeddings, attention_mask=None, **kwargs) ->
+(attn_output, None)``, so the decoder layers need no change.  Each rank then runs
+the model on its shard of the tokens with the matching global positions::
+
+    model = apply_ulysses(AutoModelForCausalLM.from_config(config), group=sp_group)
+    s = input_ids.shape[1] // world
+    logits = model(input_ids[:, rank * s:(rank + 1) * s],
+                   position_ids=torch.arange(rank * s, (rank + 1) * s)[None]).logits
+
+Causal attention without padding only: an attention mask (padding, packed
+sequences, sliding windows) or a KV cache raises ``ValueError`` naming what is
+supported; ``apply_ulysses`` turns ``use_cache`` off and has the model build its
+masks as for SDPA, which gives None for plain causal attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from cake_sp.layer import UlyssesAttention
+
+SUPPORTED = ("Qwen3Attention", "Qwen2Attention", "LlamaAttention")
+
+
+def _attention_classes() -> tuple[type, ...]:
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+    return (Qwen3Attention, Qwen2Attention, LlamaAttention)
+
+
+class TransformersUlyssesAttention(nn.Module):
+    """A transformers attention module's replacement on this rank's token shard.
+
+    ``self.layer`` is the ``UlyssesAttention`` that owns the weights; ``layer_idx`` and
+    ``config`` are kept for code that reads them.
+    """
+
+    def __init__(self, attn: nn.Module, *, group=None, world_size: int, **layer_options) -> None:
+        super().__init__()
+        config = attn.config
+        self.config, self.layer_idx = config, attn.layer_idx
+        if getattr(attn, "sliding_window", None) is not None:
+            raise ValueError(f"layer {attn.layer_idx}: sliding-window attention is not supported "
+                             "(UlyssesAttention is full causal attention)")
+        d = attn.head_dim
+        self.head_dim = d
+        q_norm = getattr(attn, "q_norm", None)
+        weight = attn.q_proj.weight
+        options = dict(
+            group=group, max_tokens=math.ceil(config.max_position_embeddings / world_size),
+            qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
+            qk_norm=q_norm is not None, rope_style="neox", causal=True,
+            eps=q_norm.variance_epsilon if q_norm is not None else 1e-6,
+            softmax_scale=attn.scaling, device=weight.device, dtype=weight.dtype)
+        options.update(layer_options)
+        self.layer = UlyssesAttention(config.hidden_size, config.num_attention_heads,
+                                      config.num_key_value_heads, d, **options)
+        with torch.no_grad():
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            self.layer.qkv_weight.copy_(torch.cat([p.weight for p in projections]))
+            if self.layer.qkv_bias is not None:
+                self.layer.qkv_bias.copy_(torch.cat([p.bias for p in projections]))
+            if q_norm is not None:
+                self.layer.q_norm_weight.copy_(q_norm.weight)
+                self.layer.k_norm_weight.copy_(attn.k_norm.weight)
+            self.layer.o_weight.copy_(attn.o_proj.weight)
+            if self.layer.o_bias is not None:
+                self.layer.o_bias.copy_(attn.o_proj.bias)
+
+    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
+                attention_mask: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if cache is not None:
+            raise ValueError(f"layer {self.layer_idx}: a KV cache ({type(cache).__name__}) is not "
+                             "supported by cake_sp's Ulysses attention yet; call the model with "
+                             "use_cache=False")
+        if attention_mask is not None:
+            raise ValueError(
+                f"layer {self.layer_idx}: cake_sp's Ulysses attention supports causal attention "
+                f"without a mask only, got an attention_mask of shape "
+                f"{tuple(attention_mask.shape)} (padding or packed sequences); pass "
+                "attention_mask=None and contiguous global position_ids")
+        cos, sin = position_embeddings
+        half = self.head_dim // 2
+        batch, seq_local = hidden_states.shape[:2]
+        # transformers repeats each frequency in both halves (rotate_half): keep one of each.
+        rope = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).float()
+        rope = rope.expand(batch, seq_local, -1).reshape(batch * seq_local, -1)
+        return self.layer(hidden_states, rope), None
+
+
+def apply_ulysses(model: nn.Module, group=None, **layer_options) -> nn.Module:
+    """Replace the model's attention modules in place (every rank must call); returns it.
+
+    ``layer_options`` go to ``UlyssesAttention`` (``max_tokens`` defaults to
+    ``ceil(max_position_embeddings / W)``; ``backend``, ``attention_backend``, ...).
+    Raises ``ValueError`` naming the supported classes if the model has none of them.
+    """
+    import torch.distributed as dist
+
+    from cake_sp.session.overlap import resolve_group
+
+    classes = _attention_classes()
+    world = dist.get_world_size(resolve_group(group))
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
+    if not targets:
+        kinds = sorted({type(m).__name__ for m in model.modules() if "Attention" in
+                        type(m).__name__})
+        raise ValueError(f"apply_ulysses: {type(model).__name__} has no attention module it "
+                         f"supports ({', '.join(SUPPORTED)}); found {kinds or 'none'}")
+    for name, attn in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, TransformersUlyssesAttention(attn, group=group, world_size=world,
+                                                            **layer_options))
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.use_cache = False
+        # The masks are now built only to be checked: SDPA's rules give None for plain
+        # causal attention, a tensor for padding or packing (which forward refuses).
+        config._attn_implementation = "sdpa"
+    return model

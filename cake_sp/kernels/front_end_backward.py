@@ -1,0 +1,151 @@
+"""Backward of the front end's norm and RoPE, from the gathered output gradients to ``dP``.
+
+Per token row and projection head ``h`` (``HeadPlan`` order: Q, K, V heads)::
+
+    g_h  = sum over the ranks that received h of gathered[row, rank, local(h)]   # fp32
+    Q, K:  dy = rope(g_h, cos, -sin)            # RoPE is a rotation: transpose = rotate by -theta
+           with a norm weight w (forward: y = bf16(bf16(n) * w), n = p * rstd):
+           dn = dy * w;   dp = rstd * (dn - n * mean(dn * n));   dw += sum_rows(dy * bf16(n))
+           without:        dp = dy
+    V:     dp = g_h
+    dP[row, h] = bf16(dp)
+
+``gathered`` is the front end backward's ``BandExchange`` output ``[rows, W, heads,
+D]`` (each source rank's Q band, then its K and V bands); ``p`` the pre-norm
+projection of the Q and K heads, recomputed by the caller (bf16 ``[rows, (Hq +
+Hkv) * D]``, bias included), read only where a norm weight is given.  The
+roundings of the forward are passed straight through, as autograd treats a cast.
+One program per (row block, head); the norm-weight gradients are written as
+per-row-block partial sums that the launcher adds up (deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cake_sp.kernels import _config
+from cake_sp.kernels.norm_rope import load_cos_sin, rope_rotate, round_to_bf16
+from cake_sp.layouts import HeadPlan
+
+
+@triton.jit
+def _norm_backward(dy, p_ptr, head, offs_m, row_ok, cols, w_ptr, eps, p_stride,
+                   HAS_NORM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
+    """``(dp, dw)`` of one head tile: ``dw`` is this tile's ``[D]`` share of the weight's grad."""
+    if HAS_NORM:
+        p = tl.load(p_ptr + offs_m[:, None] * p_stride + head * D + cols[None, :],
+                    mask=row_ok[:, None], other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(p * p, axis=1) / D + eps)
+        n = p * rstd[:, None]
+        w = tl.load(w_ptr + cols).to(tl.float32)
+        dw = tl.sum(dy * round_to_bf16(n, INTERPRET).to(tl.float32), axis=0)
+        dn = dy * w[None, :]
+        dp = rstd[:, None] * (dn - n * (tl.sum(dn * n, axis=1) / D)[:, None])
+    else:
+        dp = dy
+        dw = tl.zeros((D,), dtype=tl.float32)
+    return dp, dw
+
+
+@triton.jit
+def _front_end_backward_kernel(g_ptr, p_ptr, cos_sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr,
+                               dp_ptr, dw_ptr, rows, cos_sin_stride, eps, p_stride,
+                               NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                               Q_PER_RANK: tl.constexpr, KV_PER_RANK: tl.constexpr,
+                               KV_REPLICAS: tl.constexpr, WORLD: tl.constexpr, D: tl.constexpr,
+                               BLOCK_M: tl.constexpr, HAS_Q_NORM: tl.constexpr,
+                               HAS_K_NORM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+                               ROPE_STYLE: tl.constexpr, INTERPRET: tl.constexpr):
+    row_block = tl.program_id(0)
+    head = tl.program_id(1)
+    HEADS_PER_RANK: tl.constexpr = Q_PER_RANK + 2 * KV_PER_RANK
+    QK_HEADS: tl.constexpr = NUM_Q_HEADS + NUM_KV_HEADS
+    offs_m = row_block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    cols = tl.arange(0, D)
+
+    # Which ranks received head ``head`` (HeadPlan.destinations), as which local head.
+    is_q = head < NUM_Q_HEADS
+    is_v = head >= QK_HEADS
+    j = head - tl.where(is_q, 0, tl.where(is_v, QK_HEADS, NUM_Q_HEADS))
+    per_band = tl.where(is_q, Q_PER_RANK, KV_PER_RANK)
+    replicas = tl.where(is_q, 1, KV_REPLICAS)
+    first_rank = (j // per_band) * replicas
+    local = j % per_band + tl.where(is_q, 0, tl.where(is_v, Q_PER_RANK + KV_PER_RANK,
+                                                      Q_PER_RANK))
+    grad = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    for t in range(KV_REPLICAS):
+        if t < replicas:
+            src = g_ptr + ((offs_m * WORLD + first_rank + t) * HEADS_PER_RANK + local) * D
+            grad += tl.load(src[:, None] + cols[None, :], mask=row_ok[:, None],
+                            other=0.0).to(tl.float32)
+
+    if head < QK_HEADS:
+        if HAS_POSITIONS:
+            table_rows = tl.load(pos_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
+        else:
+            table_rows = offs_m
+        cos, sin = load_cos_sin(cos_sin_ptr, table_rows, cos_sin_stride, row_ok,
+                                tl.arange(0, D // 2), D)
+        dy = rope_rotate(grad, cos, -sin, BLOCK_M, D, ROPE_STYLE)
+        if head < NUM_Q_HEADS:
+            out, dw = _norm_backward(dy, p_ptr, head, offs_m, row_ok, cols, q_norm_ptr, eps,
+                                     p_stride, HAS_Q_NORM, D, INTERPRET)
+        else:
+            out, dw = _norm_backward(dy, p_ptr, head, offs_m, row_ok, cols, k_norm_ptr, eps,
+                                     p_stride, HAS_K_NORM, D, INTERPRET)
+        tl.store(dw_ptr + (row_block * QK_HEADS + head) * D + cols, dw)
+    else:
+        out = grad
+    dst = dp_ptr + offs_m[:, None] * ((QK_HEADS + NUM_KV_HEADS) * D) + head * D + cols[None, :]
+    tl.store(dst, round_to_bf16(out, INTERPRET), mask=row_ok[:, None])
+
+
+def front_end_backward(gathered: torch.Tensor, p: torch.Tensor | None, plan: HeadPlan, *,
+                       rope_cos_sin: torch.Tensor, positions: torch.Tensor | None,
+                       q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                       eps: float, rope_style: int
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(dP, d_q_norm, d_k_norm)``: bf16 ``dP [rows, (Hq + 2*Hkv) * D]``, the projection's
+    gradient, and fp32 ``[D]`` norm-weight gradients (None without that weight).
+
+    Parameters
+    ----------
+    gathered : bf16 ``[B, S_local, W, heads_per_rank, D]``, contiguous (module docstring).
+    p : bf16 ``[rows, (Hq + Hkv) * D]`` (the Q/K part of ``x @ W.T + b``), contiguous; may
+        be None when neither norm weight is given.
+    rope_cos_sin, positions : as the forward took them (``positions`` ``[rows]`` or None).
+
+    Allocates ``dP`` and the partial sums; runs on the current stream.
+    """
+    rows = gathered.shape[0] * gathered.shape[1]
+    d = plan.head_dim
+    qk_heads = plan.num_q_heads + plan.num_kv_heads
+    if gathered.shape[2:] != (plan.world_size, plan.heads_per_rank, d) \
+            or not gathered.is_contiguous():
+        raise ValueError(f"front_end_backward: gathered must be contiguous [B, S_local, "
+                         f"{plan.world_size}, {plan.heads_per_rank}, {d}], got "
+                         f"{tuple(gathered.shape)}")
+    has_norm = q_norm_weight is not None or k_norm_weight is not None
+    if has_norm and (p is None or tuple(p.shape) != (rows, qk_heads * d)
+                     or not p.is_contiguous()):
+        raise ValueError(f"front_end_backward: p must be contiguous [{rows}, {qk_heads * d}], "
+                         f"got {None if p is None else tuple(p.shape)}")
+    block_m = _config.FRONT_END_BACKWARD_BLOCK_M
+    row_blocks = triton.cdiv(rows, block_m)
+    dp = torch.empty(rows, plan.total_heads * d, dtype=torch.bfloat16, device=gathered.device)
+    dw = torch.empty(row_blocks, qk_heads, d, dtype=torch.float32, device=gathered.device)
+    _front_end_backward_kernel[(row_blocks, plan.total_heads)](
+        gathered, p, rope_cos_sin, positions, q_norm_weight, k_norm_weight, dp, dw, rows,
+        rope_cos_sin.stride(0), eps, qk_heads * d, NUM_Q_HEADS=plan.num_q_heads,
+        NUM_KV_HEADS=plan.num_kv_heads, Q_PER_RANK=plan.q_per_rank,
+        KV_PER_RANK=plan.kv_per_rank, KV_REPLICAS=plan.kv_replicas, WORLD=plan.world_size,
+        D=d, BLOCK_M=block_m, HAS_Q_NORM=q_norm_weight is not None,
+        HAS_K_NORM=k_norm_weight is not None, HAS_POSITIONS=positions is not None,
+        ROPE_STYLE=rope_style, INTERPRET=_config.INTERPRET,
+        num_warps=_config.FRONT_END_BACKWARD_NUM_WARPS)
+    d_q = dw[:, :plan.num_q_heads].sum(dim=(0, 1)) if q_norm_weight is not None else None
+    d_k = dw[:, plan.num_q_heads:].sum(dim=(0, 1)) if k_norm_weight is not None else None
+    return dp, d_q, d_k

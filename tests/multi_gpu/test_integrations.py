@@ -1,0 +1,283 @@
+"""The transformers and diffusers drop-ins on 2 and 4 spawned ranks, against the unmodified
+models on the full sequence in one process.
+
+"Within bf16 noise" is measured, not assumed: the unmodified model runs in
+float32 and in bf16, and the sequence-parallel model's relative error against
+float32 may be at most ``NOISE_FACTOR`` times the unmodified bf16 model's own.
+Models are tiny and random-initialised (no downloads).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _layer_inputs import relative_error
+from _ranks import run_cases
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.multi_gpu
+
+WORLDS = [int(w) for w in os.environ.get("CAKE_SP_TEST_INTEGRATION_WORLDS", "2,4").split(",")]
+NOISE_FACTOR = 1.5
+TRAIN_STEPS = 20
+# Training diverges slowly by chance in both runs: the loss curves may differ by at most
+# this many times the bf16 run's distance from the float32 run, step by step.
+TRAIN_NOISE_FACTOR = 3.0
+
+
+def _tiny_config(kind: str):
+    import transformers
+
+    config_cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config,
+                  "llama": transformers.LlamaConfig}[kind]
+    return config_cls(vocab_size=256, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=256)
+
+
+def _model(kind: str):
+    import transformers
+
+    model_cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "llama": transformers.LlamaForCausalLM}[kind]
+    torch.manual_seed(0)  # every rank builds the same weights
+    return model_cls(_tiny_config(kind)).float()
+
+
+def _shard(ctx, ids):
+    s = ids.shape[1] // ctx.world_size
+    first = ctx.rank * s
+    positions = torch.arange(first, first + s)[None].expand(ids.shape[0], -1)
+    return slice(first, first + s), positions
+
+
+def _check_logits(ctx, kind):
+    from cake_sp.integrations import close
+    from cake_sp.integrations.transformers import TransformersUlyssesAttention, apply_ulysses
+
+    fp32 = _model(kind).eval()
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    ours = apply_ulysses(copy.deepcopy(bf16))
+    replaced = sum(isinstance(m, TransformersUlyssesAttention) for m in ours.modules())
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, 16 * ctx.world_size), generator=g)
+    shard, positions = _shard(ctx, ids)
+    with torch.no_grad():
+        want = fp32(ids, use_cache=False).logits[:, shard]
+        peer = bf16(ids, use_cache=False).logits[:, shard]
+        got = ours(ids[:, shard], position_ids=positions).logits
+    close(ours)
+    return {"replaced": replaced, "rel_error": relative_error(got, want),
+            "bf16_rel_error": relative_error(peer, want)}
+
+
+def case_qwen3_logits(ctx):
+    return _check_logits(ctx, "qwen3")
+
+
+def case_qwen2_logits(ctx):
+    return _check_logits(ctx, "qwen2")
+
+
+def case_llama_logits(ctx):
+    return _check_logits(ctx, "llama")
+
+
+def case_flux_single_block(ctx):
+    from diffusers.models.embeddings import FluxPosEmbed
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import apply_ulysses
+
+    torch.manual_seed(0)
+    dim = 256
+    fp32 = FluxSingleTransformerBlock(dim=dim, num_attention_heads=4, attention_head_dim=64)
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=64)
+    g = torch.Generator().manual_seed(2)
+    text, image, batch = 8, 56, 2
+    txt = torch.randn(batch, text, dim, generator=g)
+    img = torch.randn(batch, image, dim, generator=g)
+    temb = torch.randn(batch, dim, generator=g)
+    ids = torch.cat([torch.zeros(text, 3), torch.stack(torch.meshgrid(
+        torch.zeros(1), torch.arange(7.0), torch.arange(8.0), indexing="ij"), -1).view(-1, 3)])
+    cos, sin = FluxPosEmbed(theta=10000, axes_dim=[16, 24, 24])(ids)
+    emb = (cos.float(), sin.float())
+
+    def run(block, dtype, txt_part, img_part, rotary):
+        with torch.no_grad():
+            out = block(img_part.to(dtype), txt_part.to(dtype), temb.to(dtype), rotary)
+        return torch.cat(out, dim=1)
+
+    s = (text + image) // ctx.world_size
+    lo, hi = ctx.rank * s, (ctx.rank + 1) * s
+    full = torch.cat([txt, img], dim=1)
+    want = run(fp32, torch.float32, txt, img, emb)[:, lo:hi]
+    peer = run(bf16, torch.bfloat16, txt, img, emb)[:, lo:hi]
+    local_text = max(0, min(hi, text) - lo)
+    got = run(ours, torch.bfloat16, full[:, lo:lo + local_text], full[:, lo + local_text:hi], emb)
+    close(ours)
+    return {"replaced": 1, "rel_error": relative_error(got, want),
+            "bf16_rel_error": relative_error(peer, want)}
+
+
+def case_unsupported_inputs_raise(ctx):
+    import transformers
+
+    from cake_sp.integrations import close
+    from cake_sp.integrations.transformers import apply_ulysses
+
+    report = {}
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2))
+    try:
+        apply_ulysses(gpt2)
+        report["model"] = "no error"
+    except ValueError as exc:
+        report["model"] = str(exc)
+    model = apply_ulysses(_model("qwen3").bfloat16())
+    ids = torch.randint(0, 256, (1, 8))
+    shard, positions = _shard(ctx, torch.zeros(1, 8 * ctx.world_size))
+    for name, kwargs in (("mask", {"attention_mask": torch.tensor([[0] + [1] * 7])}),
+                         ("cache", {"use_cache": True})):
+        try:
+            model(ids, position_ids=positions, **kwargs)
+            report[name] = "no error"
+        except ValueError as exc:
+            report[name] = str(exc)
+    close(model)
+    return report
+
+
+def _train(ctx, model, ids, targets, steps, *, sequence_parallel, checkpointing=False):
+    """Per-step loss (mean cross-entropy over every token of the global batch)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    shard, positions = _shard(ctx, ids) if sequence_parallel else (slice(None), None)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids[:, shard], position_ids=positions, use_cache=False).logits
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets[:, shard].flatten(),
+                                   reduction="sum")
+        (loss_sum / targets.numel()).backward()
+        if sequence_parallel:  # the data-parallel reduction: every rank's contribution
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            loss_sum = loss_sum.detach().clone()
+            dist.all_reduce(loss_sum)
+        losses.append(float(loss_sum) / targets.numel())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def case_qwen3_training_parity(ctx):
+    """20 AdamW steps (fp32 master weights, bf16 autocast) of the sequence-parallel model
+    against the same model on the full sequence, with and without activation checkpointing."""
+    from cake_sp.integrations import close
+    from cake_sp.integrations.transformers import apply_ulysses
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (2, 16 * ctx.world_size + 1), generator=g)
+    ids, targets = ids[:, :-1], ids[:, 1:]
+    report = {}
+    for name, ckpt in (("ours", False), ("ours_checkpointed", True)):
+        model = apply_ulysses(_model("qwen3"))
+        report[name] = _train(ctx, model, ids, targets, TRAIN_STEPS, sequence_parallel=True,
+                              checkpointing=ckpt)
+        close(model)
+    if ctx.rank == 0:  # the single-process runs: the reference, and the noise scale (fp32)
+        report["reference"] = _train(ctx, _model("qwen3"), ids, targets, TRAIN_STEPS,
+                                     sequence_parallel=False)
+        model = _model("qwen3")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        report["fp32"] = []
+        for _ in range(TRAIN_STEPS):
+            loss = F.cross_entropy(model(ids, use_cache=False).logits.flatten(0, 1),
+                                   targets.flatten())
+            loss.backward()
+            report["fp32"].append(float(loss))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return report
+
+
+CASES = [case_qwen3_logits, case_qwen2_logits, case_llama_logits, case_flux_single_block,
+         case_unsupported_inputs_raise, case_qwen3_training_parity]
+
+
+def _ok(world, per_rank, name):
+    for rank, report in enumerate(per_rank):
+        assert "error" not in report, (f"W={world} rank {rank} {name}: {report.get('type')}: "
+                                       f"{report.get('error')}\n{report.get('traceback', '')}")
+
+
+def _check_outputs(world, name, per_rank) -> str:
+    _ok(world, per_rank, name)
+    for r in per_rank:
+        assert r["replaced"] >= 1
+        assert r["rel_error"] <= NOISE_FACTOR * r["bf16_rel_error"], (
+            f"W={world} {name}: relative error {r['rel_error']:.3g} against float32, the "
+            f"unmodified bf16 model's {r['bf16_rel_error']:.3g}")
+    worst = max(r["rel_error"] for r in per_rank)
+    return f"relative error {worst:.2e} (unmodified bf16: {per_rank[0]['bf16_rel_error']:.2e})"
+
+
+def _check_unsupported(world, name, per_rank) -> str:
+    _ok(world, per_rank, name)
+    for r in per_rank:
+        assert "Qwen3Attention, Qwen2Attention, LlamaAttention" in r["model"], r["model"]
+        assert "causal attention without a mask" in r["mask"], r["mask"]
+        assert "use_cache=False" in r["cache"], r["cache"]
+    return "unsupported model, mask and cache raised"
+
+
+def _check_training(world, name, per_rank) -> str:
+    _ok(world, per_rank, name)
+    r = per_rank[0]
+    assert all(p["ours"] == r["ours"] for p in per_rank), "ranks disagree on the global loss"
+    noise = max(abs(a - b) for a, b in zip(r["reference"], r["fp32"]))
+    for run in ("ours", "ours_checkpointed"):
+        losses = r[run]
+        assert all(torch.isfinite(torch.tensor(losses))), f"{run}: {losses}"
+        gap = max(abs(a - b) for a, b in zip(losses, r["reference"]))
+        assert gap <= TRAIN_NOISE_FACTOR * noise, (
+            f"W={world} {run}: loss curve {gap:.3g} from the reference, bf16 noise {noise:.3g}")
+    assert r["ours"][-1] < r["ours"][0], "the loss did not decrease"
+    return (f"losses {r['ours'][0]:.4f} -> {r['ours'][-1]:.4f}, max gap "
+            f"{max(abs(a - b) for a, b in zip(r['ours'], r['reference'])):.2e} "
+            f"(bf16 vs fp32: {noise:.2e})")
+
+
+CHECKS = {**{c.__name__: _check_outputs for c in CASES[:4]},
+          case_unsupported_inputs_raise.__name__: _check_unsupported,
+          case_qwen3_training_parity.__name__: _check_training}
+assert set(CHECKS) == {c.__name__ for c in CASES}
+
+
+def integration_verdict(world: int, name: str, per_rank: list[dict]) -> str:
+    try:
+        return "passed: " + CHECKS[name](world, name, per_rank)
+    except Exception as exc:  # a verdict never stops the run; the tests report in full
+        return f"FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
+def reports(request):
+    pytest.importorskip("diffusers")
+    return request.param, run_cases(request.param, CASES, integration_verdict)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
+def test_integration(reports, case):
+    world, by_case = reports
+    name = case.__name__
+    print(f"W={world} {name}: {CHECKS[name](world, name, by_case[name])}")
