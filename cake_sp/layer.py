@@ -237,7 +237,7 @@ class UlyssesAttention(nn.Module):
         for exchange in (self._gather, self._scatter):
             if exchange is not None:
                 exchange.close()
-        self._gather = self._scatter = None
+        self._gather = self._scatter = self._group = None
 
     def __enter__(self) -> UlyssesAttention:
         return self

@@ -13,7 +13,8 @@
 # bench-producer, bench-append, bench-fmha, bench-comm (the comm benchmark with ranks sharing GPU 0),
 # kernels-band (the band push with virtual ranks), layer-shared (UlyssesAttention with W = 2, 4
 # processes sharing GPU 0 over NVLink), bench-layer (the layer benchmark, one rank) and
-# bench-layer-shared (its smoke run with two ranks sharing GPU 0).
+# bench-layer-shared (its smoke run with two ranks sharing GPU 0), sanitizer-layer (memcheck and
+# racecheck on one small layer forward + backward).
 # Stages joined by "+" form a lane and run one after another (kernels-nvlink+shared).
 # PARALLEL=1 runs the lanes concurrently (test stages only: benchmarks need the GPU to
 # themselves); on a machine with several GPUs each lane gets its own GPU, in turn (lane i on
@@ -110,6 +111,11 @@ run_named() {
                 "${PYTEST_SERIAL[@]}" "${cases[@]}" -k "2-2-2 or pack"
             run_stage racecheck compute-sanitizer --tool racecheck --error-exitcode 9 \
                 "${PYTEST_SERIAL[@]}" "${cases[@]}" -k "2-2-2 or pack" ;;
+        sanitizer-layer)
+            run_stage memcheck-layer compute-sanitizer --tool memcheck --error-exitcode 9 \
+                $PY launch/layer_backward_once.py
+            run_stage racecheck-layer compute-sanitizer --tool racecheck --error-exitcode 9 \
+                $PY launch/layer_backward_once.py ;;
         bench-producer) run_stage bench-producer $PY benchmarks/kernels/bench_producer.py \
                             --json "$OUT/bench_producer.json" ${BENCH_PRODUCER_ARGS:-} ;;
         bench-append) run_stage bench-append $PY benchmarks/kernels/bench_qk_rope_append.py \

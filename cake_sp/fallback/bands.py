@@ -96,4 +96,6 @@ class NcclBandExchange:
         """Nothing is reported asynchronously on this path."""
 
     def close(self) -> None:
-        """Nothing collective to release: the buffers are ordinary device memory."""
+        """Nothing collective to release (the buffers are ordinary device memory); drops the
+        reference to the process group."""
+        self._group = None

@@ -101,4 +101,6 @@ class NcclExchange:
         self._bad_positions.check()
 
     def close(self) -> None:
-        """Nothing collective to release: the buffers are ordinary device memory."""
+        """Nothing collective to release (the buffers are ordinary device memory); drops the
+        reference to the process group."""
+        self._group = None

@@ -31,7 +31,8 @@ class FluxUlyssesAttention(nn.Module):
 
     def __init__(self, attn: nn.Module, *, group=None, max_tokens: int, **layer_options) -> None:
         super().__init__()
-        self._group = resolve_group(group)
+        resolved = resolve_group(group)
+        self._world, self._rank = dist.get_world_size(resolved), dist.get_rank(resolved)
         self.head_dim, self.heads = attn.head_dim, attn.heads
         weight = attn.to_q.weight
         affine = attn.norm_q.weight is not None
@@ -63,7 +64,7 @@ class FluxUlyssesAttention(nn.Module):
             raise ValueError("FluxUlyssesAttention needs image_rotary_emb (cos, sin)")
         batch, seq_local = hidden_states.shape[:2]
         cos, sin = image_rotary_emb
-        world, rank = dist.get_world_size(self._group), dist.get_rank(self._group)
+        world, rank = self._world, self._rank
         if cos.shape[0] == world * seq_local:  # the whole sequence's: this rank's rows
             first = rank * seq_local
         elif cos.shape[0] == seq_local:

@@ -91,13 +91,14 @@ class NvshmemHeap:
         dist.barrier(group=self._group)
 
     def close(self) -> None:
-        """Collective: wait for the device, then free every buffer this heap allocated."""
-        if not self._owned:
-            return
-        self.barrier()
-        for tensor in reversed(self._owned):
-            self._nvshmem.free_tensor(tensor)
-        self._owned.clear()
+        """Collective: wait for the device, then free every buffer this heap allocated, and drop
+        the reference to the process group."""
+        if self._owned:
+            self.barrier()
+            for tensor in reversed(self._owned):
+                self._nvshmem.free_tensor(tensor)
+            self._owned.clear()
+        self._group = None
 
 
 class InProcessHeap:

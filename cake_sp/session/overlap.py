@@ -254,6 +254,9 @@ class QkvNormRopeExchangeOverlap:
         self._impl.close()
         if self._grad_exchange is not None:
             self._grad_exchange.close()
+        # No reference to the process group outlives close(): a group kept alive past
+        # destroy_process_group() is torn down at interpreter exit, which can abort it.
+        self._group = None
 
     def __enter__(self) -> QkvNormRopeExchangeOverlap:
         return self

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _checks import assert_no_rank_failed
 from _layer_inputs import relative_error
 from _ranks import run_cases
 
@@ -214,14 +215,10 @@ CASES = [case_qwen3_logits, case_qwen2_logits, case_llama_logits, case_flux_sing
          case_unsupported_inputs_raise, case_qwen3_training_parity]
 
 
-def _ok(world, per_rank, name):
-    for rank, report in enumerate(per_rank):
-        assert "error" not in report, (f"W={world} rank {rank} {name}: {report.get('type')}: "
-                                       f"{report.get('error')}\n{report.get('traceback', '')}")
 
 
 def _check_outputs(world, name, per_rank) -> str:
-    _ok(world, per_rank, name)
+    assert_no_rank_failed(world, per_rank, name)
     for r in per_rank:
         assert r["replaced"] >= 1
         assert r["rel_error"] <= NOISE_FACTOR * r["bf16_rel_error"], (
@@ -232,7 +229,7 @@ def _check_outputs(world, name, per_rank) -> str:
 
 
 def _check_unsupported(world, name, per_rank) -> str:
-    _ok(world, per_rank, name)
+    assert_no_rank_failed(world, per_rank, name)
     for r in per_rank:
         assert "Qwen3Attention, Qwen2Attention, LlamaAttention" in r["model"], r["model"]
         assert "causal attention without a mask" in r["mask"], r["mask"]
@@ -241,7 +238,7 @@ def _check_unsupported(world, name, per_rank) -> str:
 
 
 def _check_training(world, name, per_rank) -> str:
-    _ok(world, per_rank, name)
+    assert_no_rank_failed(world, per_rank, name)
     r = per_rank[0]
     assert all(p["ours"] == r["ours"] for p in per_rank), "ranks disagree on the global loss"
     noise = max(abs(a - b) for a, b in zip(r["reference"], r["fp32"]))

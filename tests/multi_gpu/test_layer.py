@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from _checks import assert_no_rank_failed, expect_error
 from _layer_inputs import (
     FORWARD_RTOL,
     GRAD_RTOL,
@@ -186,43 +187,72 @@ def case_checkpoint_and_inference(ctx):
     return report
 
 
-def _expect_error(make, exc_type, fragment):
-    try:
-        make()
-    except exc_type as exc:
-        if fragment not in str(exc):
-            raise AssertionError(f"error lacks {fragment!r}: {exc}") from exc
-        return {"raised": type(exc).__name__, "message": str(exc)}
-    raise AssertionError(f"no {exc_type.__name__} raised (expected one mentioning {fragment!r})")
+def case_fsdp2_on_a_2d_mesh(ctx):
+    """W = 4 as a (dp=2, sp=2) DeviceMesh: the layer's group is mesh["sp"], its fp32 master
+    weights sharded by FSDP2 over mesh["dp"]; each dp group runs its own batch.  After the
+    backward the gradients, summed over sp (each rank's contribution) and averaged over dp
+    by FSDP2, equal the mean of the two batches' full-sequence gradients."""
+    if ctx.world_size != 4:
+        return {"skipped": "needs W = 4"}
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("dp", "sp"))
+    dp, sp = mesh["dp"].get_local_rank(), mesh["sp"].get_local_rank()
+    hq, hkv = 4, 2
+    problems = [make_layer_problem(60 + i, 2, hidden=HIDDEN, num_q_heads=hq, num_kv_heads=hkv,
+                                   head_dim=HEAD_DIM, batch=1, seq_local=8, qkv_bias=True,
+                                   o_bias=True, qk_norm=True) for i in range(2)]
+    problems[1].params = problems[0].params
+    wants = [reference_layer(p, num_q_heads=hq, num_kv_heads=hkv, rope_style="neox",
+                             causal=True)[1] for p in problems]
+    layer = UlyssesAttention(HIDDEN, hq, hkv, HEAD_DIM, group=mesh["sp"], max_tokens=16,
+                             qkv_bias=True, o_bias=True, device=ctx.device,
+                             dtype=torch.float32)
+    _load(layer, problems[0].params)
+    fully_shard(layer, mesh=mesh["dp"])
+    mine = problems[dp]
+    x = mine.xs[sp].to(ctx.device).requires_grad_(True)
+    layer(x, mine.tables[sp].to(ctx.device)).backward(mine.dys[sp].to(ctx.device))
+    report = {"errors": {"dx": relative_error(x.grad, wants[dp]["x"][sp])}}
+    for name in PARAM_NAMES:
+        grad = getattr(layer, name).grad
+        dist.all_reduce(grad.to_local(), group=mesh["sp"].get_group())
+        want = (wants[0][name] + wants[1][name]) / 2
+        report["errors"][f"d_{name}"] = relative_error(grad.full_tensor(), want)
+    layer.close()
+    return report
+
+
 
 
 def case_bad_arguments_raise_everywhere(ctx):
     w = ctx.world_size
     base = dict(max_tokens=32, device=ctx.device)
     report = {
-        "dtype": _expect_error(lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base,
+        "dtype": expect_error(lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base,
                                                         dtype=torch.float16),
                                TypeError, "dtype must be torch.bfloat16 or torch.float32"),
-        "attention_backend": _expect_error(
+        "attention_backend": expect_error(
             lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base, attention_backend="xla"),
             ValueError, "attention_backend must be one of"),
-        "heads": _expect_error(lambda: UlyssesAttention(HIDDEN, w + 1, 1, HEAD_DIM, **base),
+        "heads": expect_error(lambda: UlyssesAttention(HIDDEN, w + 1, 1, HEAD_DIM, **base),
                                ValueError, "divisible by the world size"),
         # Only rank 0 differs: every rank must still raise, none may hang.
-        "mismatch": _expect_error(
+        "mismatch": expect_error(
             lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base, causal=ctx.rank != 0),
             ValueError, "different options"),
     }
     if ctx.device.type == "cpu":
-        report["flash_on_cpu"] = _expect_error(
+        report["flash_on_cpu"] = expect_error(
             lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base, attention_backend="flash"),
             ImportError, "CUDA GPUs only")
     with _build(ctx, w, w, max_tokens=32) as layer:
         table = torch.zeros(8, HEAD_DIM, device=ctx.device)
         half = torch.zeros(1, 8, HIDDEN, dtype=torch.float16, device=ctx.device)
-        report["x_dtype"] = _expect_error(lambda: layer(half, table), TypeError,
+        report["x_dtype"] = expect_error(lambda: layer(half, table), TypeError,
                                           "x must have dtype")
-        report["rows"] = _expect_error(
+        report["rows"] = expect_error(
             lambda: layer(torch.zeros(1, 33, HIDDEN, dtype=torch.bfloat16, device=ctx.device),
                           torch.zeros(33, HEAD_DIM, device=ctx.device)),
             ValueError, "max_tokens=32")
@@ -318,20 +348,16 @@ def case_gpu_graph_capture_and_back_to_back(ctx):
 CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no_bias,
          case_gqa_replicate_tails_no_norm, case_no_o_proj_flux_like,
          case_slot_leases_under_autograd, case_checkpoint_and_inference,
-         case_bad_arguments_raise_everywhere, case_gpu_real_shape,
+         case_bad_arguments_raise_everywhere, case_fsdp2_on_a_2d_mesh, case_gpu_real_shape,
          case_gpu_graph_capture_and_back_to_back]
-REFERENCE_CASES = CASES[:4] + [case_gpu_real_shape]
+REFERENCE_CASES = CASES[:4] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
 GPU_CASES = {case_gpu_real_shape.__name__, case_gpu_graph_capture_and_back_to_back.__name__}
 
 
-def _ok(world, per_rank, name):
-    for rank, report in enumerate(per_rank):
-        assert "error" not in report, (f"W={world} rank {rank} {name}: {report.get('type')}: "
-                                       f"{report.get('error')}\n{report.get('traceback', '')}")
 
 
 def _check_errors(world, name, per_rank) -> str:
-    _ok(world, per_rank, name)
+    assert_no_rank_failed(world, per_rank, name)
     worst = {}
     for report in per_rank:
         for what, err in report["errors"].items():
@@ -353,7 +379,7 @@ def _check_leases(world, name, per_rank) -> str:
 
 
 def _check_checkpoint(world, name, per_rank) -> str:
-    _ok(world, per_rank, name)
+    assert_no_rank_failed(world, per_rank, name)
     assert all(r["checkpoint_equal"] and r["inference_equal"] for r in per_rank)
     return "checkpointed gradients equal; inference calls equal"
 
@@ -368,7 +394,7 @@ def _check_graph_and_calls(world, name, per_rank) -> str:
 
 
 def _check_bad_arguments(world, name, per_rank) -> str:
-    _ok(world, per_rank, name)
+    assert_no_rank_failed(world, per_rank, name)
     for bad in per_rank[0]:
         if bad != "repr":
             assert len({r[bad]["message"] for r in per_rank}) == 1, bad
@@ -409,4 +435,6 @@ def test_layer(reports, case):
     name = case.__name__
     if name not in by_case:
         pytest.skip("needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared)")
+    if all("skipped" in r for r in by_case[name]):
+        pytest.skip(by_case[name][0]["skipped"])
     print(f"W={world} {name}: {CHECKS[name](world, name, by_case[name])}")

@@ -14,6 +14,7 @@ import zlib
 
 import pytest
 import torch
+from _checks import assert_no_rank_failed, expect_error
 from _inputs import compare, make_problem
 from _ranks import TEST_DEVICE, run_cases
 
@@ -127,14 +128,6 @@ def case_slot_ring_keeps_earlier_outputs(ctx):
     return {"compare": kept, "reused_after_two_calls": same_storage}
 
 
-def _expect_error(make, exc_type, fragment):
-    try:
-        make()
-    except exc_type as exc:
-        if fragment not in str(exc):
-            raise AssertionError(f"error lacks {fragment!r}: {exc}") from exc
-        return {"raised": type(exc).__name__, "message": str(exc)}
-    raise AssertionError(f"no {exc_type.__name__} raised (expected one mentioning {fragment!r})")
 
 
 def case_bad_configuration_raises_everywhere(ctx):
@@ -160,10 +153,10 @@ def case_bad_configuration_raises_everywhere(ctx):
     }
     report = {}
     for name, (kwargs, exc_type, fragment) in checks.items():
-        report[name] = _expect_error(lambda k=kwargs: QkvNormRopeExchangeOverlap(**k), exc_type,
+        report[name] = expect_error(lambda k=kwargs: QkvNormRopeExchangeOverlap(**k), exc_type,
                                      fragment)
     if ctx.device.type == "cpu":
-        report["forced_nvlink"] = _expect_error(
+        report["forced_nvlink"] = expect_error(
             lambda: QkvNormRopeExchangeOverlap(**{**base, "backend": "nvlink"}),
             UlyssesBackendError, "not a CUDA GPU")
     return report
@@ -197,12 +190,12 @@ def case_bad_call_inputs_raise_before_any_collective(ctx):
                             weight, qn, kn, table, pos), ValueError, "16-byte aligned"),
         }
         for name, (args, exc_type, fragment) in bad.items():
-            report[name] = _expect_error(lambda a=args: session(*a, qkv_bias=bias), exc_type,
+            report[name] = expect_error(lambda a=args: session(*a, qkv_bias=bias), exc_type,
                                          fragment)
         # Positions past the table's rows are found on the GPU, so the call runs (every rank
         # makes it) and the error comes from synchronize (or the next call).
         session(x, weight, qn, kn, table, torch.full_like(pos, table.shape[0]), bias)
-        report["positions_range"] = _expect_error(session.synchronize, ValueError,
+        report["positions_range"] = expect_error(session.synchronize, ValueError,
                                                   "outside [0, rows of rope_cos_sin)")
         # The group is still in step: a good call after all the bad ones works.
         want = problem.expected(w, w, "interleaved", "bshd")[ctx.rank]
@@ -220,7 +213,7 @@ def case_lifecycle(ctx):
     session.close()  # idempotent
     problem = make_problem(3, w, num_q_heads=w, num_kv_heads=w, hidden=HIDDEN, batch=1,
                            seq_local=2)
-    closed = _expect_error(lambda: session(*problem.rank_args(ctx.rank, ctx.device)),
+    closed = expect_error(lambda: session(*problem.rank_args(ctx.rank, ctx.device)),
                            RuntimeError, "closed")
     return {"closed": closed, "graph_capturable": capturable, "repr": repr(session)}
 
@@ -368,7 +361,7 @@ def case_gpu_wait_timeout_names_the_absent_rank(ctx):
         problem = make_problem(5, w, num_q_heads=w, num_kv_heads=w, hidden=HIDDEN, batch=1,
                                seq_local=16)
         session(*problem.rank_args(ctx.rank, ctx.device))
-        return _expect_error(session.synchronize, PeerTimeoutError, f"[{absent}]")
+        return expect_error(session.synchronize, PeerTimeoutError, f"[{absent}]")
 
 
 CASES = [case_mha_bshd_interleaved, case_mha_fused_neox_positions_no_norm_no_bias,
@@ -400,15 +393,11 @@ def _cases_for(world: int) -> list:
             and (not ONLY_CASES or c.__name__ in ONLY_CASES)]
 
 
-def _ok(world, per_rank, name):
-    for rank, report in enumerate(per_rank):
-        assert "error" not in report, (f"W={world} rank {rank} {name}: {report.get('type')}: "
-                                       f"{report.get('error')}\n{report.get('traceback', '')}")
 
 
 # What each case's reports must show, one function per test below; a case may have several.
 def _check_matches_reference(world, name, per_rank) -> str:
-    _ok(world, per_rank, name)
+    assert_no_rank_failed(world, per_rank, name)
     differ = sum(c["differ"] for r in per_rank for c in r["compare"])
     one_ulp = sum(c["one_ulp"] for r in per_rank for c in r["compare"])
     elements = sum(c["elements"] for r in per_rank for c in r["compare"])
@@ -423,20 +412,20 @@ def _check_matches_reference(world, name, per_rank) -> str:
 
 
 def _check_timeout(world, name, per_rank) -> str:
-    _ok(world, per_rank, name)
+    assert_no_rank_failed(world, per_rank, name)
     if REQUESTED_BACKEND != "nccl":
         assert all("raised" in r for r in per_rank[:-1]) and per_rank[-1].get("absent")
     return "every other rank named the absent one"
 
 
 def _check_slot_ring(world, name, per_rank) -> str:
-    _ok(world, per_rank, name)
+    assert_no_rank_failed(world, per_rank, name)
     assert all(r["reused_after_two_calls"] for r in per_rank)
     return "slots reused after two calls"
 
 
 def _check_bad_configuration(world, name, per_rank) -> str:
-    _ok(world, per_rank, name)
+    assert_no_rank_failed(world, per_rank, name)
     # Every rank raised the same error for each bad configuration.
     for bad in per_rank[0]:
         assert len({r[bad]["message"] for r in per_rank}) == 1, bad
@@ -444,7 +433,7 @@ def _check_bad_configuration(world, name, per_rank) -> str:
 
 
 def _check_lifecycle(world, name, per_rank) -> str:
-    _ok(world, per_rank, name)
+    assert_no_rank_failed(world, per_rank, name)
     return "closed twice, then a call raised"
 
 

@@ -1,0 +1,57 @@
+"""A transformers Qwen3 model with Ulysses sequence parallelism: each rank trains on its shard.
+
+    torchrun --standalone --nproc-per-node=2 examples/qwen3_sequence_parallel.py   # CPU or GPUs
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # CPU: Triton's interpreter, chosen before cake_sp imports it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+from cake_sp.integrations import close  # noqa: E402
+from cake_sp.integrations.transformers import apply_ulysses  # noqa: E402
+
+gpu = torch.cuda.is_available()
+dist.init_process_group("nccl" if gpu else "gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+if gpu:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+device = torch.device("cuda" if gpu else "cpu")
+
+config = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, max_position_embeddings=1024)
+torch.manual_seed(0)  # the same weights on every rank
+model = apply_ulysses(Qwen3ForCausalLM(config).to(device))  # every attention -> UlyssesAttention
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+tokens = torch.randint(0, config.vocab_size, (1, 64 * world + 1),
+                       generator=torch.Generator().manual_seed(1)).to(device)
+inputs, targets = tokens[:, :-1], tokens[:, 1:]  # shifted once, globally
+s = inputs.shape[1] // world
+mine = slice(rank * s, (rank + 1) * s)
+positions = torch.arange(rank * s, (rank + 1) * s, device=device)[None]  # global positions
+
+for step in range(3):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        logits = model(inputs[:, mine], position_ids=positions).logits
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets[:, mine].flatten(),
+                           reduction="sum") / targets.numel()
+    loss.backward()
+    for p in model.parameters():  # the data-parallel reduction over the sequence group
+        dist.all_reduce(p.grad)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    if rank == 0:
+        print(f"step {step}: loss {total.item():.4f}")
+close(model)
+dist.barrier()
+dist.destroy_process_group()
