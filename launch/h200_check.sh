@@ -112,8 +112,10 @@ run_named() {
             run_stage racecheck compute-sanitizer --tool racecheck --error-exitcode 9 \
                 "${PYTEST_SERIAL[@]}" "${cases[@]}" -k "2-2-2 or pack" ;;
         sanitizer-layer)
-            run_stage memcheck-layer compute-sanitizer --tool memcheck --error-exitcode 9 \
-                $PY launch/layer_backward_once.py
+            # API errors off: cuda-python's driver-entry lookups (mesh probe) are reported
+            # as CUDA_ERROR_INVALID_VALUE; memcheck's memory errors are what this stage counts.
+            run_stage memcheck-layer compute-sanitizer --tool memcheck --report-api-errors no \
+                --error-exitcode 9 $PY launch/layer_backward_once.py
             run_stage racecheck-layer compute-sanitizer --tool racecheck --error-exitcode 9 \
                 $PY launch/layer_backward_once.py ;;
         bench-producer) run_stage bench-producer $PY benchmarks/kernels/bench_producer.py \

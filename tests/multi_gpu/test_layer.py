@@ -194,6 +194,10 @@ def case_fsdp2_on_a_2d_mesh(ctx):
     by FSDP2, equal the mean of the two batches' full-sequence gradients."""
     if ctx.world_size != 4:
         return {"skipped": "needs W = 4"}
+    if ctx.device.type != "cpu":
+        # NVSHMEM is initialised once per process, for the group of the first NVLink session
+        # (the earlier cases' world group); a session on mesh["sp"] could not use it.
+        return {"skipped": "CPU only: one NVSHMEM group per process"}
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
