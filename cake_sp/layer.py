@@ -213,16 +213,25 @@ class UlyssesAttention(nn.Module):
 
     def _backward_exchange(self):
         """The scatter by heads of ``d_o``, built by the first forward under grad (collective:
-        every rank makes that forward)."""
+        every rank makes that forward).  One slot, read by the attention's backward at once."""
         if self._scatter is None:
             plan = self.session.plan
             self._scatter = make_band_exchange(
                 self.backend, self._group,
                 BandTransfer(SCATTER_HEADS, plan.world_size, (plan.q_per_rank,), self.head_dim),
-                max_tokens=self.max_tokens, num_slots=self._num_slots,
+                max_tokens=self.max_tokens, num_slots=1,
                 device=self.session.device, wait_timeout_s=self._timeout,
                 what="output exchange backward")
         return self._scatter
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Device memory this layer's exchanges hold on this rank (receive slots, staging
+        buffers, readiness words), allocated once at construction and at the first forward
+        under grad; the parameters not included."""
+        exchanges = (self.session._impl, self.session._grad_exchange, self._gather,
+                     self._scatter)
+        return sum(e.nbytes for e in exchanges if e is not None)
 
     def synchronize(self) -> None:
         """Wait for this rank's enqueued work; raise if an exchange timed out (see the session)."""

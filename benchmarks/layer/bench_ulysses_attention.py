@@ -21,7 +21,9 @@ A sample is one call (forward, or forward + backward of ``sum(y * dy)``) timed b
 CUDA events after a host barrier; its time is the maximum over ranks, a row's the
 median of ``A B C C B A`` rounds.  The floor is the GEMMs and the attention core
 timed alone on this GPU (forward, or forward + backward), with no exchange.
-Peak memory is the most allocated above the inputs during one sample.
+Peak memory is the most allocated above the inputs during one sample; cake_sp's
+exchange buffers (receive slots, staging), allocated once per layer, are printed
+beside it.
 """
 
 from __future__ import annotations
@@ -238,6 +240,7 @@ def run_row(shape: Shape, modes, group, control, device, peers, rounds) -> list[
         results.append({
             "hidden": shape.hidden, "hq": hq, "hkv": hkv, "seq_global": shape.seq_global,
             "world": shape.world, "mode": mode, "backend": ours.backend,
+            "cake_sp_buffer_mb": ours.buffer_bytes / 2**20,
             "median_ms": {n: statistics.median(s) for n, s in samples.items()},
             "not_run": {n: c for n, c in checks.items() if isinstance(c, str)},
             "samples_ms": samples, "peak_mb": peak, "rel_error_vs_plain": checks,
@@ -260,7 +263,8 @@ def _line(r: dict) -> str:
         if name in t:
             parts.append(f"{name} {t[name]:8.3f} ({t[name] / t['cake_sp']:.2f}x)")
     parts.append(f"floor {t['floor']:8.3f} (cake_sp/floor {t['cake_sp'] / t['floor']:.2f})")
-    parts.append("peak MB " + " ".join(f"{n} {v:.0f}" for n, v in r["peak_mb"].items()))
+    parts.append("peak MB " + " ".join(f"{n} {v:.0f}" for n, v in r["peak_mb"].items())
+                 + f" (+ cake_sp buffers {r['cake_sp_buffer_mb']:.0f})")
     parts += [f"{n} not run: {why[:60]}" for n, why in r["not_run"].items()]
     return " | ".join(parts)
 

@@ -92,6 +92,13 @@ class NcclBandExchange:
     def lease(self, pending: PendingBands) -> SlotLease:
         return self.ring.lease(pending.slot)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the ring and of the send and receive buffers."""
+        world = self._plan.world_size if hasattr(self, "_plan") else self.transfer.world_size
+        staging = 2 * self._send.numel() * self._send.element_size() if world > 1 else 0
+        return self.ring.nbytes + staging
+
     def check(self) -> None:
         """Nothing is reported asynchronously on this path."""
 

@@ -87,6 +87,13 @@ class NcclExchange:
                 source.view(world, batch, call.seq_local, heads, width).transpose(0, 1))
         return views, slot
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the ring and of the send and receive buffers."""
+        world = self._plan.world_size if hasattr(self, "_plan") else self.transfer.world_size
+        staging = 2 * self._send.numel() * self._send.element_size() if world > 1 else 0
+        return self.slots.nbytes + staging
+
     def _produce(self, call: CallInputs, dest: DestLayout, table: torch.Tensor) -> None:
         """The fused kernel, without signals; this rank's tokens start each destination row."""
         qkv_norm_rope_produce(

@@ -123,6 +123,11 @@ class NvlinkBandExchange:
     def lease(self, pending: PendingBands) -> SlotLease:
         return self.channel.ring.lease(pending.slot)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's buffers."""
+        return self.channel.nbytes
+
     def check(self) -> None:
         self.channel.check()
 

@@ -73,6 +73,11 @@ class NvlinkChannel:
             timeout_ns=self._timeout_ns)
         self._enter_table = self._enter.table
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's symmetric buffers (slots, readiness and entry words)."""
+        return self.ring.nbytes + 8 * (self.readiness.words + self._enter.local.numel())
+
     def start(self) -> int:
         """Raise if an earlier call failed; take the next slot; announce the call to peers."""
         self.check()

@@ -86,6 +86,10 @@ class NvlinkExchange:
         self.produce(call, slot)
         return self.finish(call, slot, out), None if out is not None else slot
 
+    @property
+    def nbytes(self) -> int:
+        return self.channel.nbytes
+
     def layout(self, seq_global: int) -> DestLayout:
         return front_end_layout(self._plan, self._layout, self._max_tokens, seq_global)
 

@@ -224,7 +224,8 @@ class QkvNormRopeExchangeOverlap:
 
     def grad_exchange(self):
         """The backward's exchange (``dq, dk, dv`` gathered back to token order), built on the
-        first call that needs gradients (collective, like construction)."""
+        first call that needs gradients (collective, like construction).  One slot: the
+        backward reads it at once, and the next call's entry barrier orders its reuse."""
         if self._grad_exchange is None:
             plan = self.plan
             transfer = BandTransfer(GATHER_TOKENS, self.world_size,
@@ -232,7 +233,7 @@ class QkvNormRopeExchangeOverlap:
                                     plan.head_dim)
             self._grad_exchange = make_band_exchange(
                 self.backend, self._group, transfer, max_tokens=self.config.max_tokens,
-                num_slots=2, device=self.device, wait_timeout_s=float(self.config.wait_timeout_s),
+                num_slots=1, device=self.device, wait_timeout_s=float(self.config.wait_timeout_s),
                 what="front end backward")
         return self._grad_exchange
 

@@ -103,6 +103,11 @@ class SlotRing:
     def buffer(self, slot: int) -> Tensor:
         return self._buffers[slot]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the ring's buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
     def table(self, slot: int) -> Tensor:
         return self._tables[slot]
 
