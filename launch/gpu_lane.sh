@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One GPU lane in one command: environment facts, the multi-GPU tests, the link ceilings and the
-# main benchmark at W ranks and at every smaller W in {2, 4, 8}.
+# One GPU lane in one command: environment facts, the multi-GPU tests (session, layer, gradients,
+# integrations), the link ceilings, the front-end benchmark at W ranks and at every smaller W in
+# {2, 4, 8}, and the layer benchmark (forward, forward + backward) at W.
 #
 #   launch/gpu_lane.sh W [--dry-run] [--only STEPS] [--rows SPEC] [--out DIR] [-- BENCH_ARGS...]
 #
@@ -8,7 +9,7 @@
 #   --dry-run   the whole lane on ONE GPU with W ranks sharing it (gloo group, NVLink path allowed
 #               on a shared GPU, tiny rows): checks the lane before multi-GPU machines are lent;
 #               its numbers are harness checks, not multi-GPU numbers
-#   --only      comma-separated subset of facts,tests,link,bench (default: all, in that order)
+#   --only      comma-separated subset of facts,tests,link,bench,layer (default: all, in order)
 #   --rows      benchmark rows (default: full; tiny with --dry-run)
 #   --out       where JSON/PNG/Markdown/logs go (default: docs/results; out/lane_dry_run with
 #               --dry-run)
@@ -23,7 +24,7 @@ usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [[ $# -ge 1 ]] || usage
 W=$1; shift
 [[ $W == 2 || $W == 4 || $W == 8 ]] || { echo "W must be 2, 4 or 8, got '$W'" >&2; usage; }
-DRY_RUN=0; ONLY="facts,tests,link,bench"; ROWS=""; OUT=""; BENCH_ARGS=()
+DRY_RUN=0; ONLY="facts,tests,link,bench,layer"; ROWS=""; OUT=""; BENCH_ARGS=()
 while [[ $# -gt 0 ]]; do
   case $1 in
     --dry-run) DRY_RUN=1 ;;
@@ -123,6 +124,14 @@ if wants bench; then
       benchmarks/comm/bench_qkv_norm_rope_exchange_overlap.py --rows "$ROWS" \
       --json "${name}.json" --markdown "${name}.md" --plot "${name}.png" "${BENCH_ARGS[@]}"
   done
+fi
+
+if wants layer; then
+  # With ranks sharing one GPU only cake_sp runs (a smoke test of the NVLink path).
+  layer_rows=$([[ $DRY_RUN == 1 ]] && echo smoke || echo all)
+  step "layer bench W=$W" "${LOG}_layer.log" "${TORCHRUN[@]}" --nproc-per-node="$W" \
+    benchmarks/layer/bench_ulysses_attention.py --mode fwd,fwdbwd --rows "$layer_rows" \
+    --json "${LOG}_layer.json"
 fi
 
 if [[ ${#FAILED[@]} -gt 0 ]]; then

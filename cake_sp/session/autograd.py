@@ -36,23 +36,28 @@ from cake_sp.layouts import HeadPlan
 from cake_sp.session.slots import CallInputs
 
 
-def _front_end_grads(gathered: Tensor, call: CallInputs, plan: HeadPlan, *, eps: float,
-                     rope_style: int) -> tuple[Tensor | None, ...]:
+def _qk_projection(call: CallInputs, plan: HeadPlan) -> Tensor | None:
+    """The pre-norm projection of the Q/K heads, bf16 ``[rows, (Hq + Hkv) * D]`` (recomputed
+    rather than kept; only the norm backward reads it), or None without a norm weight."""
+    if call.q_norm_weight is None and call.k_norm_weight is None:
+        return None
+    qk_rows = (plan.num_q_heads + plan.num_kv_heads) * plan.head_dim
+    bias = None if call.qkv_bias is None else call.qkv_bias[:qk_rows]
+    return F.linear(call.x2d, call.qkv_weight[:qk_rows], bias)
+
+
+def _front_end_grads(gathered: Tensor, p: Tensor | None, call: CallInputs, plan: HeadPlan, *,
+                     eps: float, rope_style: int) -> tuple[Tensor | None, ...]:
     """``(dx, dW_qkv, d_bias, d_q_norm, d_k_norm)`` from the gathered output gradients
-    ``[B, S_local, W, heads_per_rank, D]``."""
-    x2d, weight, bias = call.x2d, call.qkv_weight, call.qkv_bias
-    p = None
-    if call.q_norm_weight is not None or call.k_norm_weight is not None:
-        # The pre-norm projection of the Q/K heads, recomputed rather than kept.
-        qk_rows = (plan.num_q_heads + plan.num_kv_heads) * plan.head_dim
-        p = F.linear(x2d, weight[:qk_rows], None if bias is None else bias[:qk_rows])
+    ``[B, S_local, W, heads_per_rank, D]`` and the recomputed projection ``p``."""
     dp, d_qn, d_kn = front_end_backward(
         gathered, p, plan, rope_cos_sin=call.rope_cos_sin, positions=call.positions,
         q_norm_weight=call.q_norm_weight, k_norm_weight=call.k_norm_weight, eps=eps,
         rope_style=rope_style)
-    d_bias = dp.sum(dim=0, dtype=torch.float32).to(dp.dtype) if bias is not None else None
-    dx = dp @ weight
-    d_weight = dp.T @ x2d
+    d_bias = dp.sum(dim=0, dtype=torch.float32).to(dp.dtype) if call.qkv_bias is not None \
+        else None
+    dx = dp @ call.qkv_weight
+    d_weight = dp.T @ call.x2d
     return dx, d_weight, d_bias, *(None if g is None else g.to(torch.bfloat16)
                                    for g in (d_qn, d_kn))
 
@@ -79,10 +84,13 @@ class FrontEndFunction(torch.autograd.Function):
         parts = [g.to(torch.bfloat16) for g in grads]
         exchange = session.grad_exchange()
         pending = exchange.send(parts, batch=call.batch, seq_local=call.seq_local)
+        # While the gradients travel (the NCCL path's collective is asynchronous; on NVLink
+        # the peers push into this rank's slot), recompute what the norm backward needs.
+        p = _qk_projection(call, session.plan)
         exchange.wait(pending)
         ctx.lease.release()
         dx, dw, db, dqn, dkn = _front_end_grads(
-            exchange.output(pending), call, session.plan, eps=float(session.config.eps),
+            exchange.output(pending), p, call, session.plan, eps=float(session.config.eps),
             rope_style=rope_style_code(session.config.rope_style))
         needs = ctx.needs_input_grad
         return (None, None, dx.view(call.batch, call.seq_local, -1) if needs[2] else None,

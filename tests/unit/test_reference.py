@@ -119,3 +119,28 @@ def test_fused_layout_is_qkv_per_head():
 def test_unknown_rope_style_is_rejected():
     with pytest.raises(ValueError, match="rope_style"):
         reference.rope(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 8), "gptj")
+
+
+@pytest.mark.parametrize("rope_style,causal", [("neox", True), ("interleaved", False)])
+def test_layer_reference_gradients_pass_gradcheck(rope_style, causal):
+    """The float64 whole-layer reference the gradient tests use is itself differentiable
+    correctly: finite differences agree with its autograd (GQA 4/2, biases, norms, two ranks)."""
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d, hidden, world, seq = 4, 2, 4, 8, 2, 3
+    n = (hq + 2 * hkv) * d
+
+    def rand(*shape):
+        return torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+
+    xs = [rand(1, seq, hidden) for _ in range(world)]
+    params = [rand(n, hidden), rand(hidden, hq * d), rand(n), rand(hidden), rand(d), rand(d)]
+    table = reference.rope_cos_sin_table(world * seq, d).double()
+    tables = [table[r * seq:(r + 1) * seq] for r in range(world)]
+
+    def layer(x0, x1, w_qkv, w_o, b_qkv, b_o, qn, kn):
+        return tuple(reference.ulysses_attention_layer(
+            [x0, x1], w_qkv, w_o, tables, num_q_heads=hq, num_kv_heads=hkv, qkv_bias=b_qkv,
+            o_bias=b_o, q_norm_weight=qn, k_norm_weight=kn, rope_style=rope_style,
+            causal=causal))
+
+    assert torch.autograd.gradcheck(layer, (*xs, *params))
