@@ -110,7 +110,7 @@ class UlyssesAttention(nn.Module):
                        o_proj=o_proj, dtype=str(dtype))
         error = None
         try:
-            self._check_options(options, dtype, device)
+            self._check_options(options, dtype)
             self.attention_backend, self.attention_reason = resolve_attention_backend(
                 attention_backend, device)
         except (ValueError, TypeError, ImportError) as exc:
@@ -147,7 +147,7 @@ class UlyssesAttention(nn.Module):
         self.reset_parameters()
 
     @staticmethod
-    def _check_options(options: dict, dtype: torch.dtype, device: torch.device) -> None:
+    def _check_options(options: dict, dtype: torch.dtype) -> None:
         if dtype not in PARAM_DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float32 (fp32 master "
                             f"weights; the layer computes in bf16 either way), got {dtype}")
