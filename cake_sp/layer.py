@@ -265,7 +265,8 @@ class UlyssesAttention(nn.Module):
 
 def _raise_first(gathered: list) -> None:
     """Raise the first rank's error on every rank; ``ValueError`` if the options differ."""
-    errors = {"ValueError": ValueError, "TypeError": TypeError, "ImportError": ImportError}
+    errors = {"ValueError": ValueError, "TypeError": TypeError, "ImportError": ImportError,
+              "RuntimeError": RuntimeError}
     for rank, (_, error) in enumerate(gathered):
         if error is not None:
             raise errors[error[0]](f"UlyssesAttention: {error[1]} (rank {rank})")

@@ -19,6 +19,16 @@ import torch
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def require_triton_device(what: str, device: torch.device) -> None:
+    """Raise ``RuntimeError`` unless Triton kernels can run on ``device``: a CUDA GPU, or the
+    CPU with Triton's interpreter, which must be chosen before Triton is first imported."""
+    if device.type == "cpu" and not INTERPRET:
+        raise RuntimeError(
+            f"{what} runs Triton kernels, which on the CPU need Triton's interpreter: set "
+            "TRITON_INTERPRET=1 in the environment before cake_sp (or triton) is first "
+            "imported, e.g. `TRITON_INTERPRET=1 torchrun ...`")
+
+
 @functools.cache
 def tma_supported(device_index: int) -> bool:
     """Whether GPU ``device_index`` has the tensor memory accelerator (sm_90+)."""

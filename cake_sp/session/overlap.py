@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from cake_sp._validation import check_tensor
+from cake_sp.kernels import _config
 from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.kernels.producer import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from cake_sp.layouts import GATHER_TOKENS, BandTransfer, DestLayout, HeadPlan
@@ -36,7 +37,7 @@ from cake_sp.session.mesh import (
 from cake_sp.session.slots import CallInputs
 
 # What local validation may raise; re-raised on every rank after the all-gather.
-_ERRORS = {"ValueError": ValueError, "TypeError": TypeError}
+_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
 # The producer's GEMM steps over hidden in blocks of at least 16 (and its TMA
 # mainloop reads 16-byte aligned rows), so both are checked before any launch.
 HIDDEN_MULTIPLE = 16
@@ -74,6 +75,8 @@ class SessionConfig:
         if self.hidden % HIDDEN_MULTIPLE:
             raise ValueError(f"hidden must be a multiple of {HIDDEN_MULTIPLE}, got {self.hidden}")
         rope_style_code(self.rope_style)
+        _config.require_triton_device("QkvNormRopeExchangeOverlap",
+                                      torch.device(self.device_type))
         if self.backend not in tuple(b.value for b in Backend):
             raise ValueError(f"backend must be one of {[b.value for b in Backend]}, "
                              f"got {self.backend!r}")
@@ -150,7 +153,7 @@ class QkvNormRopeExchangeOverlap:
         plan, error = None, None
         try:
             plan = self.config.validate(self.world_size)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RuntimeError) as exc:
             error = (type(exc).__name__, str(exc))
         probe = probe_mesh(self.device) if error is None else None
         gathered: list = [None] * self.world_size
