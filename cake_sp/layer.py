@@ -27,7 +27,11 @@ from cake_sp.attention import attention, resolve_attention_backend
 from cake_sp.kernels import _config
 from cake_sp.layouts import GATHER_TOKENS, SCATTER_HEADS, BandTransfer
 from cake_sp.session.autograd import OutputProjectionFunction
-from cake_sp.session.bands import make_band_exchange
+from cake_sp.session.bands import (
+    make_band_exchange,
+    release_band_exchange,
+    shared_band_exchange,
+)
 from cake_sp.session.overlap import QkvNormRopeExchangeOverlap, _resolve_device, resolve_group
 
 # The o_proj GEMM of the NVLink path takes the gathered rows in this many chunks (each
@@ -213,22 +217,23 @@ class UlyssesAttention(nn.Module):
 
     def _backward_exchange(self):
         """The scatter by heads of ``d_o``, built by the first forward under grad (collective:
-        every rank makes that forward).  One slot, read by the attention's backward at once."""
+        every rank makes that forward).  One slot, read by the attention's backward at once,
+        shared with every layer of the same shape on the group."""
         if self._scatter is None:
             plan = self.session.plan
-            self._scatter = make_band_exchange(
+            self._scatter = shared_band_exchange(
                 self.backend, self._group,
                 BandTransfer(SCATTER_HEADS, plan.world_size, (plan.q_per_rank,), self.head_dim),
-                max_tokens=self.max_tokens, num_slots=1,
-                device=self.session.device, wait_timeout_s=self._timeout,
-                what="output exchange backward")
+                max_tokens=self.max_tokens, device=self.session.device,
+                wait_timeout_s=self._timeout, what="output exchange backward")
         return self._scatter
 
     @property
     def buffer_bytes(self) -> int:
         """Device memory this layer's exchanges hold on this rank (receive slots, staging
         buffers, readiness words), allocated once at construction and at the first forward
-        under grad; the parameters not included."""
+        under grad; the parameters not included.  The backward's two exchanges are shared by
+        every layer of the same shape and counted in each."""
         exchanges = (self.session._impl, self.session._grad_exchange, self._gather,
                      self._scatter)
         return sum(e.nbytes for e in exchanges if e is not None)
@@ -243,9 +248,10 @@ class UlyssesAttention(nn.Module):
     def close(self) -> None:
         """Release the exchanges' buffers (collective on the NVLink path).  Idempotent."""
         self.session.close()
-        for exchange in (self._gather, self._scatter):
-            if exchange is not None:
-                exchange.close()
+        if self._gather is not None:
+            self._gather.close()
+        if self._scatter is not None:
+            release_band_exchange(self._scatter)
         self._gather = self._scatter = self._group = None
 
     def __enter__(self) -> UlyssesAttention:

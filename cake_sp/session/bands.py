@@ -11,6 +11,10 @@ implementations with one contract:
 * ``NcclBandExchange`` (``cake_sp.fallback.bands``): pack, one asynchronous
   ``all_to_all_single``, unpack into a local slot.
 
+The forward's exchange is the layer's own (its slots hold what autograd saves); the
+backward's two, consumed within their call, are shared by every layer of one shape
+(``shared_band_exchange``).
+
 A call is ``pending = ex.send(parts, batch=, seq_local=)``, then ``ex.wait(pending)``
 (or ``ex.wait(pending, first_row, rows)`` for a chunk of rows, NVLink only does
 real work per chunk), then ``ex.output(pending)``: a view of the receive slot,
@@ -133,6 +137,41 @@ class NvlinkBandExchange:
 
     def close(self) -> None:
         self._heap.close()
+
+
+# The backward's exchanges, one per (backend, group, transfer, capacity, device, timeout),
+# with the number of holders.  Every layer of a model with one shape shares them: a
+# backward uses its exchange within one call, and the layers' backwards run one after
+# another, in the same order on every rank.
+_SHARED: dict[tuple, list] = {}
+
+
+def shared_band_exchange(backend: str, group: dist.ProcessGroup, transfer: BandTransfer, *,
+                         max_tokens: int, device: torch.device, wait_timeout_s: float,
+                         what: str):
+    """A one-slot ``transfer`` exchange shared by every holder with the same arguments: built
+    (collectively) by the first, freed by the last ``release_band_exchange``."""
+    key = (backend, id(group), transfer, max_tokens, str(device), wait_timeout_s)
+    if key not in _SHARED:
+        exchange = make_band_exchange(backend, group, transfer, max_tokens=max_tokens,
+                                      num_slots=1, device=device, wait_timeout_s=wait_timeout_s,
+                                      what=what)
+        _SHARED[key] = [exchange, 0]
+    _SHARED[key][1] += 1
+    return _SHARED[key][0]
+
+
+def release_band_exchange(exchange) -> None:
+    """Drop one hold on a shared exchange; the last closes it (collective, as every rank
+    releases in the same order)."""
+    for key, entry in list(_SHARED.items()):
+        if entry[0] is exchange:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _SHARED[key]
+                exchange.close()
+            return
+    raise ValueError(f"release_band_exchange: {exchange!r} is not a shared exchange")
 
 
 def make_band_exchange(backend: str, group: dist.ProcessGroup, transfer: BandTransfer, *,

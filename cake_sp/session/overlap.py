@@ -26,7 +26,7 @@ from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.kernels.producer import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from cake_sp.layouts import GATHER_TOKENS, BandTransfer, DestLayout, HeadPlan
 from cake_sp.session.autograd import FrontEndFunction
-from cake_sp.session.bands import make_band_exchange
+from cake_sp.session.bands import release_band_exchange, shared_band_exchange
 from cake_sp.session.mesh import (
     Backend,
     BackendDecision,
@@ -227,16 +227,17 @@ class QkvNormRopeExchangeOverlap:
 
     def grad_exchange(self):
         """The backward's exchange (``dq, dk, dv`` gathered back to token order), built on the
-        first call that needs gradients (collective, like construction).  One slot: the
-        backward reads it at once, and the next call's entry barrier orders its reuse."""
+        first call that needs gradients (collective, like construction).  One slot, shared
+        with every session of the same shape on the group: a backward reads it at once, and
+        the next call's entry barrier orders its reuse."""
         if self._grad_exchange is None:
             plan = self.plan
             transfer = BandTransfer(GATHER_TOKENS, self.world_size,
                                     (plan.q_per_rank, plan.kv_per_rank, plan.kv_per_rank),
                                     plan.head_dim)
-            self._grad_exchange = make_band_exchange(
+            self._grad_exchange = shared_band_exchange(
                 self.backend, self._group, transfer, max_tokens=self.config.max_tokens,
-                num_slots=1, device=self.device, wait_timeout_s=float(self.config.wait_timeout_s),
+                device=self.device, wait_timeout_s=float(self.config.wait_timeout_s),
                 what="front end backward")
         return self._grad_exchange
 
@@ -257,7 +258,8 @@ class QkvNormRopeExchangeOverlap:
         self._closed = True
         self._impl.close()
         if self._grad_exchange is not None:
-            self._grad_exchange.close()
+            release_band_exchange(self._grad_exchange)
+            self._grad_exchange = None
         # No reference to the process group outlives close(): a group kept alive past
         # destroy_process_group() is torn down at interpreter exit, which can abort it.
         self._group = None

@@ -184,6 +184,17 @@ def case_checkpoint_and_inference(ctx):
         with torch.inference_mode():
             outs += [layer(problem.xs[r].to(dev), table) for _ in range(3)]
         report["inference_equal"] = all(torch.equal(o, outs[0]) for o in outs)
+        # A second layer of the same shape shares the backward's exchanges (not the forward's),
+        # and its gradients are those of the first (same weights, same inputs).
+        with _build(ctx, hq, hkv, qkv_bias=True, o_bias=True) as other:
+            _load(other, problem.params)
+            x.grad = None
+            other(x, table).backward(problem.dys[r].to(dev))
+            report["backward_shared"] = (other._scatter is layer._scatter and
+                                         other.session.grad_exchange() is
+                                         layer.session.grad_exchange() and
+                                         other._gather is not layer._gather)
+            report["second_layer_equal"] = torch.equal(x.grad, plain[0])
     return report
 
 
@@ -385,7 +396,9 @@ def _check_leases(world, name, per_rank) -> str:
 def _check_checkpoint(world, name, per_rank) -> str:
     assert_no_rank_failed(world, per_rank, name)
     assert all(r["checkpoint_equal"] and r["inference_equal"] for r in per_rank)
-    return "checkpointed gradients equal; inference calls equal"
+    assert all(r["backward_shared"] and r["second_layer_equal"] for r in per_rank)
+    return ("checkpointed gradients equal; inference calls equal; a second layer shares the "
+            "backward's exchanges")
 
 
 def _check_graph_and_calls(world, name, per_rank) -> str:
