@@ -121,9 +121,11 @@ class OutputProjectionFunction(torch.autograd.Function):
             y = torch.empty(rows, o_weight.shape[0], dtype=o_band.dtype, device=o_band.device)
             for first, n in row_chunks:
                 gather.wait(pending, first, n)
-                torch.matmul(o_tokens[first:first + n], o_weight.T, out=y[first:first + n])
-            if o_bias is not None:
-                y += o_bias
+                rows_in, rows_out = o_tokens[first:first + n], y[first:first + n]
+                if o_bias is None:
+                    torch.matmul(rows_in, o_weight.T, out=rows_out)
+                else:  # the bias in the GEMM's epilogue: one rounding, no extra pass
+                    torch.addmm(o_bias, rows_in, o_weight.T, out=rows_out)
         ctx.lease = gather.lease(pending)
         ctx.save_for_backward(o_weight)
         ctx.o_tokens, ctx.scatter = o_tokens, scatter
