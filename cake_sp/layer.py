@@ -32,7 +32,12 @@ from cake_sp.session.bands import (
     release_band_exchange,
     shared_band_exchange,
 )
-from cake_sp.session.overlap import QkvNormRopeExchangeOverlap, _resolve_device, resolve_group
+from cake_sp.session.overlap import (
+    QkvNormRopeExchangeOverlap,
+    _resolve_device,
+    raise_unless_agreed,
+    resolve_group,
+)
 
 # The o_proj GEMM of the NVLink path takes the gathered rows in this many chunks (each
 # a multiple of the push's row block), so the first chunk's GEMM runs while the later
@@ -121,7 +126,8 @@ class UlyssesAttention(nn.Module):
             error = (type(exc).__name__, str(exc))
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (options, error), group=group)
-        _raise_first(gathered)
+        raise_unless_agreed(gathered, prefix="UlyssesAttention: ",
+                            mismatch="built the layer with different options")
         self.hidden, self.num_q_heads, self.num_kv_heads = hidden, num_q_heads, num_kv_heads
         self.head_dim, self.causal, self.max_tokens = head_dim, causal, max_tokens
         self.softmax_scale = softmax_scale
@@ -130,7 +136,7 @@ class UlyssesAttention(nn.Module):
             hidden=hidden, max_tokens=max_tokens, num_slots=num_slots, rope_style=rope_style,
             eps=eps, backend=backend, device=device, wait_timeout_s=wait_timeout_s)
         plan = self.session.plan
-        self._group, self._num_slots, self._timeout = group, num_slots, wait_timeout_s
+        self._group, self._timeout = group, wait_timeout_s
         self._gather = make_band_exchange(
             self.session.backend, group,
             BandTransfer(GATHER_TOKENS, plan.world_size, (plan.q_per_rank,), head_dim),
@@ -267,19 +273,3 @@ class UlyssesAttention(nn.Module):
                 f"causal={self.causal}, o_proj={self.o_weight is not None}, "
                 f"backend={self.backend!r} ({self.backend_reason}), "
                 f"attention_backend={self.attention_backend!r} ({self.attention_reason})")
-
-
-def _raise_first(gathered: list) -> None:
-    """Raise the first rank's error on every rank; ``ValueError`` if the options differ."""
-    errors = {"ValueError": ValueError, "TypeError": TypeError, "ImportError": ImportError,
-              "RuntimeError": RuntimeError}
-    for rank, (_, error) in enumerate(gathered):
-        if error is not None:
-            raise errors[error[0]](f"UlyssesAttention: {error[1]} (rank {rank})")
-    first = gathered[0][0]
-    for rank, (options, _) in enumerate(gathered[1:], start=1):
-        differing = sorted(k for k in options if options[k] != first[k])
-        if differing:
-            detail = ", ".join(f"{k}: {first[k]!r} vs {options[k]!r}" for k in differing)
-            raise ValueError(f"UlyssesAttention: ranks built the layer with different options "
-                             f"(rank 0 vs rank {rank}: {detail})")

@@ -37,7 +37,8 @@ from cake_sp.session.mesh import (
 from cake_sp.session.slots import CallInputs
 
 # What local validation may raise; re-raised on every rank after the all-gather.
-_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
+_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError,
+           "ImportError": ImportError}
 # The producer's GEMM steps over hidden in blocks of at least 16 (and its TMA
 # mainloop reads 16-byte aligned rows), so both are checked before any launch.
 HIDDEN_MULTIPLE = 16
@@ -364,19 +365,31 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
     return device
 
 
-def _agree(gathered: list, env: EnvOverrides) -> BackendDecision:
-    """Every rank's (config, error, probe) -> one decision, or the same exception on every rank."""
-    for rank, (_, error, _) in enumerate(gathered):
+def raise_unless_agreed(gathered: list[tuple[dict, tuple[str, str] | None]], *, prefix: str,
+                        mismatch: str) -> None:
+    """Every rank's ``(options, local error)`` -> the same exception on every rank, or nothing.
+
+    The first rank's error is raised again with its rank; otherwise options that differ
+    between rank 0 and another rank raise ``ValueError`` (``prefix`` + "ranks " +
+    ``mismatch``, then the differing fields).
+    """
+    for rank, (_, error) in enumerate(gathered):
         if error is not None:
             kind, message = error
-            raise _ERRORS[kind](f"{message} (rank {rank})")
-    configs = [config for config, _, _ in gathered]
-    for rank, config in enumerate(configs[1:], start=1):
-        differing = sorted(k for k in config if config[k] != configs[0][k])
+            raise _ERRORS[kind](f"{prefix}{message} (rank {rank})")
+    first = gathered[0][0]
+    for rank, (options, _) in enumerate(gathered[1:], start=1):
+        differing = sorted(k for k in options if options[k] != first[k])
         if differing:
-            detail = ", ".join(f"{k}: {configs[0][k]!r} vs {config[k]!r}" for k in differing)
-            raise ValueError(f"ranks constructed the session with different configurations "
-                             f"(rank 0 vs rank {rank}: {detail})")
+            detail = ", ".join(f"{k}: {first[k]!r} vs {options[k]!r}" for k in differing)
+            raise ValueError(f"{prefix}ranks {mismatch} (rank 0 vs rank {rank}: {detail})")
+
+
+def _agree(gathered: list, env: EnvOverrides) -> BackendDecision:
+    """Every rank's (config, error, probe) -> one decision, or the same exception on every rank."""
+    raise_unless_agreed([(config, error) for config, error, _ in gathered], prefix="",
+                        mismatch="constructed the session with different configurations")
     probes = [probe for _, _, probe in gathered]
-    return decide_backend(configs[0]["backend"], probes, allow_shared_gpu=env.allow_shared_gpu)
+    return decide_backend(gathered[0][0]["backend"], probes,
+                          allow_shared_gpu=env.allow_shared_gpu)
 
