@@ -90,8 +90,7 @@ class NcclExchange:
     @property
     def nbytes(self) -> int:
         """Bytes of the ring and of the send and receive buffers."""
-        world = self._plan.world_size if hasattr(self, "_plan") else self.transfer.world_size
-        staging = 2 * self._send.numel() * self._send.element_size() if world > 1 else 0
+        staging = 2 * self._send.nbytes if self._plan.world_size > 1 else 0
         return self.slots.nbytes + staging
 
     def _produce(self, call: CallInputs, dest: DestLayout, table: torch.Tensor) -> None:

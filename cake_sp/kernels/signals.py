@@ -297,9 +297,8 @@ def wait_ready(epoch: torch.Tensor, words: torch.Tensor, status: torch.Tensor, *
     check_int64_vector("status", status, 1 + world, epoch.device)
     if not (0 <= first_row_block and 1 <= row_blocks
             and first_row_block + row_blocks <= readiness.max_row_blocks):
-        raise ValueError(f"row_blocks [{first_row_block}, {first_row_block + row_blocks}) "
-                         f"(first_row_block, first_row_block + row_blocks) must lie in "
-                         f"[0, {readiness.max_row_blocks}) and not be empty")
+        raise ValueError(f"row_blocks {row_blocks} from first_row_block {first_row_block} must "
+                         f"be a non-empty range within [0, {readiness.max_row_blocks})")
     if timeout_ns < 0:
         raise ValueError(f"timeout_ns must be >= 0, got {timeout_ns}")
     _wait_ready_kernel[(world,)](

@@ -71,18 +71,17 @@ class NvlinkChannel:
             epoch=self.epoch, enter=self._enter.local, word_table=self._words.table,
             source_rank=rank, readiness=readiness, status=self._status,
             timeout_ns=self._timeout_ns)
-        self._enter_table = self._enter.table
 
     @property
     def nbytes(self) -> int:
         """Bytes of this rank's symmetric buffers (slots, readiness and entry words)."""
-        return self.ring.nbytes + 8 * (self.readiness.words + self._enter.local.numel())
+        return self.ring.nbytes + self._words.local.nbytes + self._enter.local.nbytes
 
     def start(self) -> int:
         """Raise if an earlier call failed; take the next slot; announce the call to peers."""
         self.check()
         slot = self.ring.advance()
-        barrier_arrive(self.epoch, self._enter_table, source_rank=self.rank)
+        barrier_arrive(self.epoch, self._enter.table, source_rank=self.rank)
         return slot
 
     def wait(self, row_blocks: int, first_row_block: int = 0) -> None:

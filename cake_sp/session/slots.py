@@ -106,7 +106,7 @@ class SlotRing:
     @property
     def nbytes(self) -> int:
         """Bytes of the ring's buffers."""
-        return sum(b.numel() * b.element_size() for b in self._buffers)
+        return sum(b.nbytes for b in self._buffers)
 
     def table(self, slot: int) -> Tensor:
         return self._tables[slot]
