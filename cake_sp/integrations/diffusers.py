@@ -21,8 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from cake_sp.integrations import LastInputs
 from cake_sp.layer import UlyssesAttention
 from cake_sp.session.overlap import resolve_group
+
+# One table per transformer forward, shared by the blocks (they get the same embeddings).
+_ROPE_TABLE = LastInputs()
 
 
 class FluxUlyssesAttention(nn.Module):
@@ -72,10 +76,16 @@ class FluxUlyssesAttention(nn.Module):
         else:
             raise ValueError(f"image_rotary_emb has {cos.shape[0]} rows; expected the whole "
                              f"sequence's ({world * seq_local}) or this shard's ({seq_local})")
-        # FLUX repeats each frequency for both channels of its pair: keep one of each.
-        table = torch.cat((cos[:, 0::2], sin[:, 0::2]), dim=-1).float()
-        positions = torch.arange(first, first + seq_local, device=hidden_states.device)
-        return self.layer(hidden_states, table, positions.repeat(batch, 1))
+
+        def table_and_positions():
+            # FLUX repeats each frequency for both channels of its pair: keep one of each.
+            table = torch.cat((cos[:, 0::2], sin[:, 0::2]), dim=-1).float()
+            positions = torch.arange(first, first + seq_local, device=hidden_states.device)
+            return table, positions.repeat(batch, 1)
+
+        table, positions = _ROPE_TABLE.get((cos, sin), (first, batch, seq_local),
+                                           table_and_positions)
+        return self.layer(hidden_states, table, positions)
 
 
 def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_options) -> nn.Module:

@@ -26,9 +26,12 @@ import math
 import torch
 from torch import Tensor, nn
 
+from cake_sp.integrations import LastInputs
 from cake_sp.layer import UlyssesAttention
 
 SUPPORTED = ("Qwen3Attention", "Qwen2Attention", "LlamaAttention")
+# One table per model forward, shared by the layers (they get the same position embeddings).
+_ROPE_TABLE = LastInputs()
 
 
 def _attention_classes() -> tuple[type, ...]:
@@ -93,9 +96,13 @@ class TransformersUlyssesAttention(nn.Module):
         cos, sin = position_embeddings
         half = self.head_dim // 2
         batch, seq_local = hidden_states.shape[:2]
-        # transformers repeats each frequency in both halves (rotate_half): keep one of each.
-        rope = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).float()
-        rope = rope.expand(batch, seq_local, -1).reshape(batch * seq_local, -1)
+
+        def table():
+            # transformers repeats each frequency in both halves (rotate_half): keep one of each.
+            rope = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).float()
+            return rope.expand(batch, seq_local, -1).reshape(batch * seq_local, -1)
+
+        rope = _ROPE_TABLE.get((cos, sin), (half, batch, seq_local), table)
         return self.layer(hidden_states, rope), None
 
 
