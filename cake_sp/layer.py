@@ -91,6 +91,11 @@ class UlyssesAttention(nn.Module):
     num_slots : int
         Receive slots of each exchange: how many calls' outputs stay valid, and how
         many forwards may await their backward at once (``num_slots - 1``).
+    engine : {"auto", "fused", "cublas"}
+        The front end's producer (see ``QkvNormRopeExchangeOverlap``).
+    save_projection : bool
+        Keep the forward's QKV projection for the backward instead of recomputing its Q/K
+        part there (see ``QkvNormRopeExchangeOverlap``; docs/guide.md, Training).
     device, dtype :
         Where the parameters live (the current CUDA device, or the CPU), and their dtype:
         bf16, or fp32 master weights (cast to bf16 in each forward, fp32 gradients).
@@ -109,7 +114,8 @@ class UlyssesAttention(nn.Module):
                  rope_style: str = "neox", causal: bool = True, eps: float = 1e-6,
                  softmax_scale: float | None = None, attention_backend: str = "auto",
                  backend: str = "auto", o_proj: bool = True, num_slots: int = 2,
-                 wait_timeout_s: float = 30.0, device: torch.device | str | None = None,
+                 wait_timeout_s: float = 30.0, engine: str = "auto",
+                 save_projection: bool = False, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         group = resolve_group(group)
@@ -134,7 +140,8 @@ class UlyssesAttention(nn.Module):
         self.session = QkvNormRopeExchangeOverlap(
             group, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             hidden=hidden, max_tokens=max_tokens, num_slots=num_slots, rope_style=rope_style,
-            eps=eps, backend=backend, device=device, wait_timeout_s=wait_timeout_s)
+            eps=eps, backend=backend, device=device, wait_timeout_s=wait_timeout_s,
+            engine=engine, save_projection=save_projection)
         plan = self.session.plan
         self._group, self._timeout = group, wait_timeout_s
         self._gather = make_band_exchange(

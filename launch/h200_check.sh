@@ -14,7 +14,9 @@
 # kernels-band (the band push with virtual ranks), layer-shared (UlyssesAttention with W = 2, 4
 # processes sharing GPU 0 over NVLink), bench-layer (the layer benchmark, one rank) and
 # bench-layer-shared (its smoke run with two ranks sharing GPU 0), sanitizer-layer (memcheck and
-# racecheck on one small layer forward + backward).
+# racecheck on one small layer forward + backward), train-shared (launch/train_steps.py: 200
+# AdamW steps of a small Qwen3 under apply_ulysses, TRAIN_WORLD processes sharing GPU 0,
+# against the same model on the full sequence).
 # Stages joined by "+" form a lane and run one after another (kernels-nvlink+shared).
 # PARALLEL=1 runs the lanes concurrently (test stages only: benchmarks need the GPU to
 # themselves); on a machine with several GPUs each lane gets its own GPU, in turn (lane i on
@@ -130,6 +132,9 @@ run_named() {
         bench-layer-shared) run_stage bench-layer-shared env CAKE_SP_ALLOW_SHARED_GPU=1 torchrun \
                                 --standalone --nproc-per-node=2 \
                                 benchmarks/layer/bench_ulysses_attention.py --rows smoke ;;
+        train-shared) run_stage train-shared env CAKE_SP_ALLOW_SHARED_GPU=1 torchrun --standalone \
+                          --nproc-per-node=${TRAIN_WORLD:-2} launch/train_steps.py \
+                          --json "$OUT/train_steps.json" ${TRAIN_ARGS:-} ;;
         bench-comm) run_stage bench-comm env CAKE_SP_ALLOW_SHARED_GPU=1 torchrun --standalone \
                         --nproc-per-node=2 benchmarks/comm/bench_qkv_norm_rope_exchange_overlap.py \
                         --dist-backend gloo --rows representative --json "$OUT/bench_comm.json" ;;

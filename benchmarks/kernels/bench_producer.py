@@ -16,7 +16,14 @@ pointer table of W buffers, so the stores cost HBM bandwidth, not NVLink):
   ``producer_<mainloop>``): GEMM + bias + QK RMSNorm + RoPE + stores of every
   head band at its destination's offset;
 * ``eager``: the per-operator front end: ``F.linear``, RMSNorm and RoPE as torch
-  ops, then one copy per destination and kind into the same buffers.
+  ops, then one copy per destination and kind into the same buffers;
+* ``cublas_fp32``: the GEMM alone with an fp32 output (the cuBLAS engine's first step);
+* ``cublas_engine``: the session's second engine
+  (``producer_cublas.qkv_norm_rope_produce_cublas``): ``cublas_fp32``, then one Triton
+  epilogue kernel.
+
+The eager arm is a baseline: a check of it that fails is recorded in the row
+(``eager_check``) and the arm still timed; every other arm must pass.
 
 Each arm is checked against the fp32 reference (``cake_sp.reference``) on the
 first ``--check-rows`` rows, atol = rtol = 1e-2, before it is timed; the eager
@@ -128,6 +135,28 @@ def _producer_arm_names(mainloops: list[str | None]) -> list[str]:
     return ["producer" if m is None else f"producer_{m}" for m in mainloops]
 
 
+def cublas_engine_arm(p: dict) -> Callable[[], None]:
+    from cake_sp.kernels.producer_cublas import qkv_norm_rope_produce_cublas
+
+    workspace = torch.empty(p["rows"], p["weight"].shape[0], dtype=torch.float32,
+                            device=p["x"].device)
+
+    def run():
+        qkv_norm_rope_produce_cublas(
+            p["x"], p["weight"], p["bias"], p["q_norm"], p["k_norm"], p["cos_sin"], None,
+            plan=p["plan"], dest=p["dest"], dest_table=p["table"], seq_local=p["rows"],
+            dest_seq_offset=0, eps=EPS, rope_style=p["rope_style"], workspace=workspace)
+    return run
+
+
+def cublas_fp32_arm(p: dict) -> Callable[[], None]:
+    from cake_sp.kernels.producer_cublas import project_fp32
+
+    out = torch.empty(p["rows"], p["weight"].shape[0], dtype=torch.float32,
+                      device=p["x"].device)
+    return lambda: project_fp32(p["x"], p["weight"], out)
+
+
 def _slice(heads: range) -> slice:
     return slice(heads.start, heads.stop)
 
@@ -228,20 +257,28 @@ def check_projection(p: dict, out: torch.Tensor, rows: int) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def checked_front_ends(p: dict, check_rows: int,
-                       mainloops: list[str | None]) -> dict[str, Callable[[], None]]:
-    """The producer arm(s) and the eager arm, each run once into NaN-poisoned buffers
-    and checked against the reference."""
+def checked_front_ends(p: dict, check_rows: int, mainloops: list[str | None]
+                       ) -> tuple[dict[str, Callable[[], None]], str]:
+    """The producer arm(s), the cuBLAS engine and the eager arm, each run once into
+    NaN-poisoned buffers and checked against the reference; returns them and the eager
+    arm's check (``"passed"`` or its failure)."""
     arms = {name: producer_arm(p, m) for name, m in zip(_producer_arm_names(mainloops),
                                                          mainloops, strict=True)}
+    arms["cublas_engine"] = cublas_engine_arm(p)
     arms["eager"] = eager_arm(p)
+    eager_check = "passed"
     for name, fn in arms.items():
         for b in p["buffers"]:
             b.fill_(float("nan"))
         fn()
         ref = reference_heads(p, check_rows, round_projection=name == "eager")
-        check_buffers(p, ref, check_rows, name)
-    return arms
+        try:
+            check_buffers(p, ref, check_rows, name)
+        except AssertionError as exc:
+            if name != "eager":
+                raise
+            eager_check = str(exc)
+    return arms, eager_check
 
 
 def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
@@ -252,7 +289,8 @@ def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
     cublas, cublas_out = cublas_arm(p)
     cublas()
     check_projection(p, cublas_out, check_rows)
-    arms = dict(cublas=cublas, **checked_front_ends(p, check_rows, args.mainloops))
+    front_ends, eager_check = checked_front_ends(p, check_rows, args.mainloops)
+    arms = dict(cublas=cublas, cublas_fp32=cublas_fp32_arm(p), **front_ends)
     ms = {name: triton.testing.do_bench(graphed(fn), warmup=args.warmup_ms, rep=args.rep_ms,
                                         return_mode="median") for name, fn in arms.items()}
     flop = 2 * rows * p["weight"].shape[0] * hidden
@@ -260,7 +298,8 @@ def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
     return dict(world=world, hidden=hidden, seq_global=seq_global, rows=rows,
                 q_heads=p["plan"].num_q_heads, kv_heads=NUM_KV_HEADS, ms=ms,
                 over_cublas={a: ms[a] / ms["cublas"]
-                             for a in _producer_arm_names(args.mainloops)},
+                             for a in [*_producer_arm_names(args.mainloops), "cublas_engine"]},
+                eager_check=eager_check,
                 eager_over_producer=ms["eager"] / ms[first],
                 producer_tflops=flop / ms[first] / 1e9,
                 cublas_tflops=flop / ms["cublas"] / 1e9)

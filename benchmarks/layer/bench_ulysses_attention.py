@@ -7,7 +7,10 @@ peers' Ulysses modules, forward and forward + backward, with the floor beside ea
 Arms (every one computes the same math: QKV projection, per-head Q/K RMSNorm, NeoX
 RoPE, causal attention by ``scaled_dot_product_attention``, o_proj):
 
-* ``cake_sp``: ``UlyssesAttention`` (``backend="auto"``);
+* ``cake_sp``: ``UlyssesAttention`` (``backend="auto"``, ``engine="auto"``); with
+  ``--variants``, beside it ``cake_sp_fused`` (``engine="fused"``: the fused Triton
+  producer) and ``cake_sp_save`` (``save_projection=True``: the forward's projection
+  kept for the backward instead of recomputed), the same weights;
 * ``plain``: the layer written in plain PyTorch: cuBLAS projections, the per-op
   RMSNorm and RoPE of transformers, ``all_to_all_single`` per tensor both ways
   (with W = 1 no exchange runs);
@@ -44,6 +47,7 @@ for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": 
     os.environ.setdefault(key, value)
 
 from cake_sp import UlyssesAttention, reference  # noqa: E402
+from cake_sp.kernels import _config  # noqa: E402
 
 HEAD_DIM = 128
 ROWS = {
@@ -174,13 +178,26 @@ def _peak_mb(fn, device) -> float:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
-def run_row(shape: Shape, modes, group, control, device, peers, rounds) -> list[dict]:
+VARIANTS = {"fused": dict(engine="fused"), "save": dict(save_projection=True)}
+
+
+def run_row(shape: Shape, modes, group, control, device, peers, rounds,
+            variants: list[str]) -> list[dict]:
     rank = dist.get_rank()
     hq, hkv = shape.hq, shape.hkv
-    ours = UlyssesAttention(shape.hidden, hq, hkv, HEAD_DIM, max_tokens=shape.seq_local,
-                            device=device, attention_backend="sdpa")
+
+    def layer(**options) -> UlyssesAttention:
+        return UlyssesAttention(shape.hidden, hq, hkv, HEAD_DIM, max_tokens=shape.seq_local,
+                                device=device, attention_backend="sdpa", **options)
+
+    ours = layer()
     x, dy, table, cos, sin = _inputs(shape, rank, device)
     arms = {"cake_sp": lambda xx: ours(xx, table)}
+    extra = {}
+    for name in variants:
+        extra[name] = layer(**VARIANTS[name])
+        extra[name].load_state_dict(ours.state_dict())
+        arms[f"cake_sp_{name}"] = lambda xx, v=extra[name]: v(xx, table)
     exchanges = ["plain"] + [p for p, why in peers.items() if why is None]
     if shape.world > 1 and dist.get_backend(group) != "nccl":
         exchanges = []  # all_to_all of CUDA tensors needs NCCL: a shared-GPU smoke run
@@ -240,6 +257,7 @@ def run_row(shape: Shape, modes, group, control, device, peers, rounds) -> list[
         results.append({
             "hidden": shape.hidden, "hq": hq, "hkv": hkv, "seq_global": shape.seq_global,
             "world": shape.world, "mode": mode, "backend": ours.backend,
+            "engine": _config.producer_engine(shape.seq_local, True),
             "cake_sp_buffer_mb": ours.buffer_bytes / 2**20,
             "median_ms": {n: statistics.median(s) for n, s in samples.items()},
             "not_run": {n: c for n, c in checks.items() if isinstance(c, str)},
@@ -247,7 +265,8 @@ def run_row(shape: Shape, modes, group, control, device, peers, rounds) -> list[
         })
         if rank == 0:
             print(_line(results[-1]), flush=True)
-    ours.close()
+    for module in (ours, *extra.values()):
+        module.close()
     return results
 
 
@@ -259,7 +278,7 @@ def _line(r: dict) -> str:
     t = r["median_ms"]
     parts = [f"{r['hidden']:>5} {r['hq']:>2}/{r['hkv']:<2} S={r['seq_global']:>6} W={r['world']} "
              f"{r['mode']:<6} cake_sp {t['cake_sp']:8.3f} ms"]
-    for name in ("plain", "deepspeed", "yunchang"):
+    for name in ("cake_sp_fused", "cake_sp_save", "plain", "deepspeed", "yunchang"):
         if name in t:
             parts.append(f"{name} {t[name]:8.3f} ({t[name] / t['cake_sp']:.2f}x)")
     parts.append(f"floor {t['floor']:8.3f} (cake_sp/floor {t['cake_sp'] / t['floor']:.2f})")
@@ -274,8 +293,11 @@ def main() -> None:
     parser.add_argument("--mode", default="fwd,fwdbwd")
     parser.add_argument("--rows", choices=sorted(ROWS), default="all")
     parser.add_argument("--rounds", type=int, default=0, help="0: by row size")
+    parser.add_argument("--variants", default="fused,save",
+                        help=f"comma list of extra cake_sp arms, of {sorted(VARIANTS)}")
     parser.add_argument("--json")
     args = parser.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
     local = int(os.environ.get("LOCAL_RANK", 0))
     shared = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
     device = torch.device("cuda", 0 if shared else local)
@@ -296,7 +318,8 @@ def main() -> None:
         hq = hidden // HEAD_DIM
         shape = Shape(hidden, hq, 8 if kind == "gqa" else hq, seq, world)
         rounds = args.rounds or (6 if seq <= 8192 else 3 if seq <= 32768 else 1)
-        results += run_row(shape, args.mode.split(","), group, control, device, peers, rounds)
+        results += run_row(shape, args.mode.split(","), group, control, device, peers, rounds,
+                           variants)
     if dist.get_rank() == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"peers": peers, "argv": sys.argv, "rows": results}, f, indent=1)

@@ -8,9 +8,9 @@ Equivalent unfused pseudo-code, per rank::
     recv = all_to_all_single(send)                     # ONE collective
     out[:, src * S_local:(src + 1) * S_local] = recv[src]
 
-The projection, norm, RoPE and pack are one launch of the fused producer kernel
-whose destination table points at this rank's own send buffer, so the NCCL
-path shares every line of math with the NVLink path.  The group's backend
+The projection, norm, RoPE and pack are the producer (either engine,
+``session/producer.py``) with a destination table pointing at this rank's own send
+buffer, so the NCCL path shares every line of math with the NVLink path.  The group's backend
 moves the bytes (NCCL on GPUs, gloo on CPUs); the bytes travel as uint8 since
 gloo has no bf16 all-to-all.  With one rank the producer writes the output
 directly and no collective runs.
@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cake_sp.kernels.producer import qkv_norm_rope_produce
+from cake_sp.kernels import _config
 from cake_sp.layouts import DestLayout, HeadPlan
 from cake_sp.session.positions import BadPositionsCounter
+from cake_sp.session.producer import produce
 from cake_sp.session.slots import CallInputs, SlotRing, deliver, front_end_layout
 
 
@@ -38,10 +39,10 @@ class NcclExchange:
 
     def __init__(self, group: dist.ProcessGroup, plan: HeadPlan, *, layout: str,
                  max_tokens: int, num_slots: int, device: torch.device, eps: float,
-                 rope_style: int) -> None:
+                 rope_style: int, engine: str) -> None:
         self._group, self._plan, self._layout = group, plan, layout
         self._max_tokens = max_tokens
-        self._eps, self._rope_style = eps, rope_style
+        self._eps, self._rope_style, self._engine = eps, rope_style, engine
         world = plan.world_size
         self.slots = SlotRing.local(DestLayout.buffer_elements(plan, max_tokens * world),
                                     num_slots, device, what="front end")
@@ -53,8 +54,8 @@ class NcclExchange:
             self._send_table = torch.empty(world, dtype=torch.int64, device=device)
             self._rank_index = torch.arange(world, dtype=torch.int64, device=device)
 
-    def run(self, call: CallInputs, out: list[torch.Tensor] | None
-            ) -> tuple[list[torch.Tensor], int | None]:
+    def run(self, call: CallInputs, out: list[torch.Tensor] | None,
+            projection: torch.Tensor | None = None) -> tuple[list[torch.Tensor], int | None]:
         """Project, normalise, rotate and exchange: the outputs, and the slot they are views of
         (None when copied to ``out``)."""
         self.check()
@@ -63,7 +64,7 @@ class NcclExchange:
         slot = self.slots.advance() if out is None or world == 1 else None
         layout = front_end_layout(plan, self._layout, self._max_tokens, call.seq_global)
         if world == 1:
-            self._produce(call, layout, self.slots.table(slot))
+            self._produce(call, layout, self.slots.table(slot), projection)
             views = layout.region_views(self.slots.buffer(slot), call.batch)
             return deliver(views, out), None if out is not None else slot
         chunk = call.rows * plan.heads_per_rank * plan.head_dim
@@ -72,7 +73,7 @@ class NcclExchange:
         # Destination d's chunk starts d * chunk elements into the send buffer.
         torch.mul(self._rank_index, chunk * self._send.element_size(), out=self._send_table)
         self._send_table.add_(self._send.data_ptr())
-        self._produce(call, send_layout, self._send_table)
+        self._produce(call, send_layout, self._send_table, projection)
         dist.all_to_all_single(self._recv[: world * chunk].view(torch.uint8),
                                self._send[: world * chunk].view(torch.uint8), group=self._group)
         views = out if out is not None else layout.region_views(self.slots.buffer(slot),
@@ -93,14 +94,13 @@ class NcclExchange:
         staging = 2 * self._send.nbytes if self._plan.world_size > 1 else 0
         return self.slots.nbytes + staging
 
-    def _produce(self, call: CallInputs, dest: DestLayout, table: torch.Tensor) -> None:
-        """The fused kernel, without signals; this rank's tokens start each destination row."""
-        qkv_norm_rope_produce(
-            call.x2d, call.qkv_weight, call.qkv_bias, call.q_norm_weight, call.k_norm_weight,
-            call.rope_cos_sin, call.positions, plan=self._plan, dest=dest, dest_table=table,
-            seq_local=call.seq_local, dest_seq_offset=0, eps=self._eps,
-            rope_style=self._rope_style, bad_positions=self._bad_positions.count,
-            validate=False)
+    def _produce(self, call: CallInputs, dest: DestLayout, table: torch.Tensor,
+                 projection: torch.Tensor | None) -> None:
+        """The producer, without signals; this rank's tokens start each destination row."""
+        produce(call, engine=self._engine, plan=self._plan, dest=dest, dest_table=table,
+                dest_seq_offset=0, eps=self._eps, rope_style=self._rope_style, signals=None,
+                bad_positions=self._bad_positions.count,
+                block_m=_config.producer_block_m(self._plan.head_dim), projection=projection)
 
     def check(self) -> None:
         """Raise ``ValueError`` if an earlier call had positions outside the RoPE table."""

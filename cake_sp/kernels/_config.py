@@ -81,6 +81,24 @@ PRODUCER_INTERPRET_PROGRAMS: int = 2
 # Mainloops in order of preference; the launcher takes the first the device and the
 # head size allow (producer.MAINLOOPS says what each needs).
 PRODUCER_MAINLOOPS: tuple[str, ...] = ("tma", "pointer")
+# The session's producer engine per call shape (session/producer.py): rows of
+# ``(most rows, engine)`` looked up in order by the call's rows (``B * S_local``); the last
+# row takes every larger call.  On an H200 (docs/results.md, "Producer engines"; hidden
+# 3072-8192, GQA 8 K/V heads, D = 128) the cuBLAS engine took 0.76-0.99x the fused
+# kernel's time at 512 rows, and 1.01-1.14x at 2,048 rows and more.
+PRODUCER_ENGINE_TABLE: tuple[tuple[int, str], ...] = ((512, "cublas"), (2**62, "fused"))
+
+
+def producer_engine(rows: int, on_gpu: bool) -> str:
+    """The engine for a session call of ``rows`` rows (the CPU interpreter: the fused one)."""
+    if not on_gpu:
+        return "fused"
+    for most_rows, engine in PRODUCER_ENGINE_TABLE:
+        if rows <= most_rows:
+            return engine
+    return PRODUCER_ENGINE_TABLE[-1][1]
+
+
 # The warp-specialised kernel (producer_ws.py).  Its epilogue works in 64-row chunks,
 # each a readiness row block (the launcher's block_m).  Two tile shapes:
 # * fp32 hand-off (any norm setting): 128-row tiles, one wgmma warpgroup; ring slots

@@ -11,9 +11,10 @@ Per token row and projection head ``h`` (``HeadPlan`` order: Q, K, V heads)::
     dP[row, h] = bf16(dp)
 
 ``gathered`` is the front end backward's ``BandExchange`` output ``[rows, W, heads,
-D]`` (each source rank's Q band, then its K and V bands); ``p`` the pre-norm
-projection of the Q and K heads, recomputed by the caller (bf16 ``[rows, (Hq +
-Hkv) * D]``, bias included), read only where a norm weight is given.  The
+D]`` (each source rank's Q band, then its K and V bands); ``p`` the projection
+``x @ W.T`` of the Q and K heads without the bias (recomputed by the caller in bf16,
+or the forward's fp32 workspace kept), read with the bias added only where a norm
+weight is given.  The
 roundings of the forward are passed straight through, as autograd treats a cast.
 One program per (row block, head); the norm-weight gradients are written as
 per-row-block partial sums that the launcher adds up (deterministic).
@@ -31,12 +32,15 @@ from cake_sp.layouts import HeadPlan
 
 
 @triton.jit
-def _norm_backward(dy, p_ptr, head, offs_m, row_ok, cols, w_ptr, eps, p_stride,
-                   HAS_NORM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
+def _norm_backward(dy, p_ptr, bias_ptr, head, offs_m, row_ok, cols, w_ptr, eps, p_stride,
+                   HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
+                   INTERPRET: tl.constexpr):
     """``(dp, dw)`` of one head tile: ``dw`` is this tile's ``[D]`` share of the weight's grad."""
     if HAS_NORM:
         p = tl.load(p_ptr + offs_m[:, None] * p_stride + head * D + cols[None, :],
                     mask=row_ok[:, None], other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            p += tl.load(bias_ptr + head * D + cols).to(tl.float32)[None, :]
         rstd = 1.0 / tl.sqrt_rn(tl.sum(p * p, axis=1) / D + eps)
         n = p * rstd[:, None]
         w = tl.load(w_ptr + cols).to(tl.float32)
@@ -50,14 +54,15 @@ def _norm_backward(dy, p_ptr, head, offs_m, row_ok, cols, w_ptr, eps, p_stride,
 
 
 @triton.jit
-def _front_end_backward_kernel(g_ptr, p_ptr, cos_sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr,
-                               dp_ptr, dw_ptr, rows, cos_sin_stride, eps, p_stride,
+def _front_end_backward_kernel(g_ptr, p_ptr, bias_ptr, cos_sin_ptr, pos_ptr, q_norm_ptr,
+                               k_norm_ptr, dp_ptr, dw_ptr, rows, cos_sin_stride, eps, p_stride,
                                NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                Q_PER_RANK: tl.constexpr, KV_PER_RANK: tl.constexpr,
                                KV_REPLICAS: tl.constexpr, WORLD: tl.constexpr, D: tl.constexpr,
                                BLOCK_M: tl.constexpr, HAS_Q_NORM: tl.constexpr,
-                               HAS_K_NORM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-                               ROPE_STYLE: tl.constexpr, INTERPRET: tl.constexpr):
+                               HAS_K_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr,
+                               INTERPRET: tl.constexpr):
     row_block = tl.program_id(0)
     head = tl.program_id(1)
     HEADS_PER_RANK: tl.constexpr = Q_PER_RANK + 2 * KV_PER_RANK
@@ -91,11 +96,13 @@ def _front_end_backward_kernel(g_ptr, p_ptr, cos_sin_ptr, pos_ptr, q_norm_ptr, k
                                 tl.arange(0, D // 2), D)
         dy = rope_rotate(grad, cos, -sin, BLOCK_M, D, ROPE_STYLE)
         if head < NUM_Q_HEADS:
-            out, dw = _norm_backward(dy, p_ptr, head, offs_m, row_ok, cols, q_norm_ptr, eps,
-                                     p_stride, HAS_Q_NORM, D, INTERPRET)
+            out, dw = _norm_backward(dy, p_ptr, bias_ptr, head, offs_m, row_ok, cols,
+                                     q_norm_ptr, eps, p_stride, HAS_Q_NORM, HAS_BIAS, D,
+                                     INTERPRET)
         else:
-            out, dw = _norm_backward(dy, p_ptr, head, offs_m, row_ok, cols, k_norm_ptr, eps,
-                                     p_stride, HAS_K_NORM, D, INTERPRET)
+            out, dw = _norm_backward(dy, p_ptr, bias_ptr, head, offs_m, row_ok, cols,
+                                     k_norm_ptr, eps, p_stride, HAS_K_NORM, HAS_BIAS, D,
+                                     INTERPRET)
         tl.store(dw_ptr + (row_block * QK_HEADS + head) * D + cols, dw)
     else:
         out = grad
@@ -106,7 +113,7 @@ def _front_end_backward_kernel(g_ptr, p_ptr, cos_sin_ptr, pos_ptr, q_norm_ptr, k
 def front_end_backward(gathered: torch.Tensor, p: torch.Tensor | None, plan: HeadPlan, *,
                        rope_cos_sin: torch.Tensor, positions: torch.Tensor | None,
                        q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
-                       eps: float, rope_style: int
+                       qkv_bias: torch.Tensor | None, eps: float, rope_style: int
                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(dP, d_q_norm, d_k_norm)``: bf16 ``dP [rows, (Hq + 2*Hkv) * D]``, the projection's
     gradient, and fp32 ``[D]`` norm-weight gradients (None without that weight).
@@ -114,9 +121,11 @@ def front_end_backward(gathered: torch.Tensor, p: torch.Tensor | None, plan: Hea
     Parameters
     ----------
     gathered : bf16 ``[B, S_local, W, heads_per_rank, D]``, contiguous (module docstring).
-    p : bf16 ``[rows, (Hq + Hkv) * D]`` (the Q/K part of ``x @ W.T + b``), contiguous; may
-        be None when neither norm weight is given.
+    p : bf16 or fp32 ``[rows, >= (Hq + Hkv) * D]`` with unit column stride: the Q/K columns
+        (first) of ``x @ W.T``, without the bias; may be None when neither norm weight is
+        given.
     rope_cos_sin, positions : as the forward took them (``positions`` ``[rows]`` or None).
+    qkv_bias : bf16 ``[(Hq + 2*Hkv) * D]`` or None, added to ``p``.
 
     Allocates ``dP`` and the partial sums; runs on the current stream.
     """
@@ -129,22 +138,25 @@ def front_end_backward(gathered: torch.Tensor, p: torch.Tensor | None, plan: Hea
                          f"{plan.world_size}, {plan.heads_per_rank}, {d}], got "
                          f"{tuple(gathered.shape)}")
     has_norm = q_norm_weight is not None or k_norm_weight is not None
-    if has_norm and (p is None or tuple(p.shape) != (rows, qk_heads * d)
-                     or not p.is_contiguous()):
-        raise ValueError(f"front_end_backward: p must be contiguous [{rows}, {qk_heads * d}], "
-                         f"got {None if p is None else tuple(p.shape)}")
+    if has_norm and (p is None or p.dim() != 2 or p.shape[0] != rows
+                     or p.shape[1] < qk_heads * d or p.stride(1) != 1
+                     or p.dtype not in (torch.bfloat16, torch.float32)):
+        raise ValueError(f"front_end_backward: p must be bf16 or fp32 [{rows}, >= "
+                         f"{qk_heads * d}] with unit column stride, got "
+                         f"{None if p is None else (p.dtype, tuple(p.shape), p.stride())}")
     block_m = _config.FRONT_END_BACKWARD_BLOCK_M
     row_blocks = triton.cdiv(rows, block_m)
     dp = torch.empty(rows, plan.total_heads * d, dtype=torch.bfloat16, device=gathered.device)
     dw = torch.empty(row_blocks, qk_heads, d, dtype=torch.float32, device=gathered.device)
     _front_end_backward_kernel[(row_blocks, plan.total_heads)](
-        gathered, p, rope_cos_sin, positions, q_norm_weight, k_norm_weight, dp, dw, rows,
-        rope_cos_sin.stride(0), eps, qk_heads * d, NUM_Q_HEADS=plan.num_q_heads,
+        gathered, p, qkv_bias, rope_cos_sin, positions, q_norm_weight, k_norm_weight, dp, dw,
+        rows, rope_cos_sin.stride(0), eps, 0 if p is None else p.stride(0),
+        NUM_Q_HEADS=plan.num_q_heads,
         NUM_KV_HEADS=plan.num_kv_heads, Q_PER_RANK=plan.q_per_rank,
         KV_PER_RANK=plan.kv_per_rank, KV_REPLICAS=plan.kv_replicas, WORLD=plan.world_size,
         D=d, BLOCK_M=block_m, HAS_Q_NORM=q_norm_weight is not None,
-        HAS_K_NORM=k_norm_weight is not None, HAS_POSITIONS=positions is not None,
-        ROPE_STYLE=rope_style, INTERPRET=_config.INTERPRET,
+        HAS_K_NORM=k_norm_weight is not None, HAS_BIAS=qkv_bias is not None,
+        HAS_POSITIONS=positions is not None, ROPE_STYLE=rope_style, INTERPRET=_config.INTERPRET,
         num_warps=_config.FRONT_END_BACKWARD_NUM_WARPS)
     d_q = dw[:, :plan.num_q_heads].sum(dim=(0, 1)) if q_norm_weight is not None else None
     d_k = dw[:, plan.num_q_heads:].sum(dim=(0, 1)) if k_norm_weight is not None else None

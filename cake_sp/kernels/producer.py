@@ -211,6 +211,28 @@ def _rope_code(rope_style: str | int) -> int:
     return rope_style_code(rope_style)
 
 
+def signal_args(signals: ProducerSignals | None) -> tuple:
+    """The kernels' seven protocol arguments (epoch, entry words, word table, status, source
+    rank, row blocks per source, timeout), or placeholders without signals."""
+    if signals is None:
+        return (None, None, None, None, 0, 0, 0)
+    return (signals.epoch, signals.enter, signals.word_table, signals.status,
+            signals.source_rank, signals.readiness.max_row_blocks, signals.timeout_ns)
+
+
+def epilogue_constants(plan: HeadPlan, qkv_bias, q_norm_weight, k_norm_weight, positions,
+                       rope_style: str | int, signals: ProducerSignals | None) -> dict:
+    """The compile-time switches of ``producer_epilogue.deliver_tile`` for one launch."""
+    return dict(
+        NUM_Q_HEADS=plan.num_q_heads, NUM_KV_HEADS=plan.num_kv_heads,
+        Q_PER_RANK=plan.q_per_rank, KV_PER_RANK=plan.kv_per_rank,
+        KV_REPLICAS=plan.kv_replicas, D=plan.head_dim,
+        HAS_BIAS=qkv_bias is not None, HAS_Q_NORM=q_norm_weight is not None,
+        HAS_K_NORM=k_norm_weight is not None, HAS_POSITIONS=positions is not None,
+        ROPE_STYLE=_rope_code(rope_style), SIGNAL=signals is not None,
+        num_warps=_config.PRODUCER_NUM_WARPS)
+
+
 def _nvmma_layout(rows: int, block_k: int):
     return gl.NVMMASharedLayout.get_default_for([rows, block_k], gl.bfloat16)
 
@@ -400,26 +422,17 @@ def qkv_norm_rope_produce(
     mainloop = _choose_mainloop(mainloop, x, qkv_weight, d, block_m, on_gpu)
     if num_sms is None:
         num_sms = _sm_count(x.device.index) if on_gpu else _config.PRODUCER_INTERPRET_PROGRAMS
-    if signals is None:
-        signal_args = (None, None, None, None, 0, 0, 0)
-    else:
-        signal_args = (signals.epoch, signals.enter, signals.word_table, signals.status,
-                       signals.source_rank, signals.readiness.max_row_blocks, signals.timeout_ns)
-    epoch, enter, word_table, status, source_rank, max_row_blocks, timeout_ns = signal_args
+    epoch, enter, word_table, status, source_rank, max_row_blocks, timeout_ns = \
+        signal_args(signals)
     args = (qkv_bias, q_norm_weight, k_norm_weight, cos_sin, positions, bad_positions,
             dest_table, epoch, enter, word_table, status,
             rows, cos_sin.stride(0), cos_sin.shape[0], eps, seq_local, dest.seq_len,
             dest_seq_offset,
             *dest.region_offset, *dest.token_stride, *dest.head_stride,
             source_rank, max_row_blocks, timeout_ns)
-    constants = dict(
-        HIDDEN=hidden, NUM_Q_HEADS=plan.num_q_heads, NUM_KV_HEADS=plan.num_kv_heads,
-        Q_PER_RANK=plan.q_per_rank, KV_PER_RANK=plan.kv_per_rank,
-        KV_REPLICAS=plan.kv_replicas, D=d, BLOCK_K=block_k,
-        HAS_BIAS=qkv_bias is not None, HAS_Q_NORM=q_norm_weight is not None,
-        HAS_K_NORM=k_norm_weight is not None, HAS_POSITIONS=positions is not None,
-        ROPE_STYLE=_rope_code(rope_style), SIGNAL=signals is not None,
-        num_warps=_config.PRODUCER_NUM_WARPS)
+    constants = dict(HIDDEN=hidden, BLOCK_K=block_k,
+                     **epilogue_constants(plan, qkv_bias, q_norm_weight, k_norm_weight,
+                                          positions, rope_style, signals))
     if mainloop == "warp_specialized":
         norm_in_mma = (_config.PRODUCER_WS_NORM_IN_MMA and q_norm_weight is not None
                        and k_norm_weight is not None)

@@ -10,11 +10,13 @@
 
 What each saves (per layer call on one rank, ``rows = B * S_local``):
 
-* front end: nothing new -- ``x`` and the parameters are the caller's; the
-  pre-norm projection of the Q/K heads is recomputed in the backward (one GEMM
-  of ``rows x (Hq + Hkv) * D x hidden``, only with a QK norm) instead of being kept
-  (``rows * (Hq + Hkv) * D * 2`` bytes); the q/k/v outputs are views of a receive
-  slot, leased until the backward so that no later call overwrites them.
+* front end: ``x`` and the parameters are the caller's; the q/k/v outputs are
+  views of a receive slot, leased until the backward so that no later call
+  overwrites them.  The projection of the Q/K heads, which only the norm backward
+  reads, is by default recomputed in the backward (one bf16 GEMM of ``rows x (Hq +
+  Hkv) * D x hidden``, only with a QK norm); with the session's ``save_projection``
+  the forward's fp32 projection of every head is kept instead (``rows * (Hq +
+  2 * Hkv) * D * 4`` bytes until the backward; the cuBLAS engine writes it anyway).
 * output: the token-order ``o`` (``rows * Hq * D`` bf16), a view of the gather's
   receive slot, leased likewise.
 
@@ -27,7 +29,6 @@ with DeepSpeed-Ulysses) sums them.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from cake_sp.kernels.front_end_backward import front_end_backward
@@ -37,23 +38,23 @@ from cake_sp.session.slots import CallInputs
 
 
 def _qk_projection(call: CallInputs, plan: HeadPlan) -> Tensor | None:
-    """The pre-norm projection of the Q/K heads, bf16 ``[rows, (Hq + Hkv) * D]`` (recomputed
-    rather than kept; only the norm backward reads it), or None without a norm weight."""
+    """The projection of the Q/K heads without the bias, bf16 ``[rows, (Hq + Hkv) * D]``
+    (recomputed rather than kept; only the norm backward reads it), or None without a norm
+    weight."""
     if call.q_norm_weight is None and call.k_norm_weight is None:
         return None
     qk_rows = (plan.num_q_heads + plan.num_kv_heads) * plan.head_dim
-    bias = None if call.qkv_bias is None else call.qkv_bias[:qk_rows]
-    return F.linear(call.x2d, call.qkv_weight[:qk_rows], bias)
+    return call.x2d @ call.qkv_weight[:qk_rows].T
 
 
 def _front_end_grads(gathered: Tensor, p: Tensor | None, call: CallInputs, plan: HeadPlan, *,
                      eps: float, rope_style: int) -> tuple[Tensor | None, ...]:
     """``(dx, dW_qkv, d_bias, d_q_norm, d_k_norm)`` from the gathered output gradients
-    ``[B, S_local, W, heads_per_rank, D]`` and the recomputed projection ``p``."""
+    ``[B, S_local, W, heads_per_rank, D]`` and the Q/K projection ``p`` (without the bias)."""
     dp, d_qn, d_kn = front_end_backward(
         gathered, p, plan, rope_cos_sin=call.rope_cos_sin, positions=call.positions,
-        q_norm_weight=call.q_norm_weight, k_norm_weight=call.k_norm_weight, eps=eps,
-        rope_style=rope_style)
+        q_norm_weight=call.q_norm_weight, k_norm_weight=call.k_norm_weight,
+        qkv_bias=call.qkv_bias, eps=eps, rope_style=rope_style)
     d_bias = dp.sum(dim=0, dtype=torch.float32).to(dp.dtype) if call.qkv_bias is not None \
         else None
     dx = dp @ call.qkv_weight
@@ -69,7 +70,14 @@ class FrontEndFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, session, call: CallInputs, x, qkv_weight, qkv_bias, q_norm_weight,
                 k_norm_weight):
-        views, slot = session._impl.run(call, None)
+        projection = None
+        if session.config.save_projection and (q_norm_weight is not None
+                                               or k_norm_weight is not None):
+            projection = torch.empty(call.rows, qkv_weight.shape[0], dtype=torch.float32,
+                                     device=x.device)
+            # Saved, not kept on ctx: activation checkpointing may drop and recompute it.
+            ctx.save_for_backward(projection)
+        views, slot = session._impl.run(call, None, projection)
         ctx.lease = session._impl.slots.lease(slot)
         ctx.session, ctx.call = session, call
         ctx.fused = len(views) == 1
@@ -86,7 +94,8 @@ class FrontEndFunction(torch.autograd.Function):
         pending = exchange.send(parts, batch=call.batch, seq_local=call.seq_local)
         # While the gradients travel (the NCCL path's collective is asynchronous; on NVLink
         # the peers push into this rank's slot), recompute what the norm backward needs.
-        p = _qk_projection(call, session.plan)
+        saved = ctx.saved_tensors
+        p = saved[0] if saved else _qk_projection(call, session.plan)
         exchange.wait(pending)
         ctx.lease.release()
         dx, dw, db, dqn, dkn = _front_end_grads(

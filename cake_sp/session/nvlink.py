@@ -1,9 +1,9 @@
-"""The NVLink path of the front end: the fused producer writing into an ``NvlinkChannel``.
+"""The NVLink path of the front end: the producer writing into an ``NvlinkChannel``.
 
 One call on rank ``r`` (all on the caller's stream, no host collective, no allocation)::
 
     barrier_arrive(epoch, enter_table)   # epoch += 1 on the device; tell every peer
-    producer(x, W, ..., slot tables)     # GEMM + norm + RoPE; epilogue waits for the
+    produce(x, W, ..., slot tables)      # GEMM + norm + RoPE; epilogue waits for the
                                          # destination's entry word, stores the head band
                                          # into its slot, release-stores a readiness word
     wait_ready(epoch, words)             # acquire every word addressed to r this call
@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 
 from cake_sp.kernels import _config
-from cake_sp.kernels.producer import qkv_norm_rope_produce
 from cake_sp.layouts import DestLayout, HeadPlan, ReadinessLayout
 from cake_sp.session.channel import NvlinkChannel, PeerTimeoutError
 from cake_sp.session.positions import BadPositionsCounter
+from cake_sp.session.producer import produce
 from cake_sp.session.slots import CallInputs, deliver, front_end_layout
 
 __all__ = ["NvlinkExchange", "PeerTimeoutError"]
@@ -40,11 +40,11 @@ class NvlinkExchange:
     graph_capturable = True
 
     def __init__(self, heap, plan: HeadPlan, *, layout: str, max_tokens: int, num_slots: int,
-                 device: torch.device, eps: float, rope_style: int,
+                 device: torch.device, eps: float, rope_style: int, engine: str,
                  wait_timeout_s: float) -> None:
         self._heap, self._plan, self._rank = heap, plan, heap.rank
         self._layout, self._max_tokens = layout, max_tokens
-        self._eps, self._rope_style = eps, rope_style
+        self._eps, self._rope_style, self._engine = eps, rope_style, engine
         self._block_m = _config.producer_block_m(plan.head_dim)
         self.channel = NvlinkChannel(
             heap, slot_elements=DestLayout.buffer_elements(plan, max_tokens * plan.world_size),
@@ -62,15 +62,15 @@ class NvlinkExchange:
         self.check()
         return self.channel.start()
 
-    def produce(self, call: CallInputs, slot: int) -> None:
-        """Project, normalise and rotate; store every head band into its destination's slot."""
-        qkv_norm_rope_produce(
-            call.x2d, call.qkv_weight, call.qkv_bias, call.q_norm_weight, call.k_norm_weight,
-            call.rope_cos_sin, call.positions, plan=self._plan,
-            dest=self.layout(call.seq_global), dest_table=self.slots.table(slot),
-            seq_local=call.seq_local, dest_seq_offset=self._rank * call.seq_local,
-            eps=self._eps, rope_style=self._rope_style, signals=self.channel.signals,
-            bad_positions=self._bad_positions.count, block_m=self._block_m, validate=False)
+    def produce(self, call: CallInputs, slot: int, projection: torch.Tensor | None = None
+                ) -> None:
+        """Project, normalise and rotate; store every head band into its destination's slot
+        (``projection``: see ``session.producer.produce``)."""
+        produce(call, engine=self._engine, plan=self._plan, dest=self.layout(call.seq_global),
+                dest_table=self.slots.table(slot), dest_seq_offset=self._rank * call.seq_local,
+                eps=self._eps, rope_style=self._rope_style, signals=self.channel.signals,
+                bad_positions=self._bad_positions.count, block_m=self._block_m,
+                projection=projection)
 
     def finish(self, call: CallInputs, slot: int, out: list[torch.Tensor] | None
                ) -> list[torch.Tensor]:
@@ -79,11 +79,11 @@ class NvlinkExchange:
         views = self.layout(call.seq_global).region_views(self.slots.buffer(slot), call.batch)
         return deliver(views, out)
 
-    def run(self, call: CallInputs, out: list[torch.Tensor] | None
-            ) -> tuple[list[torch.Tensor], int | None]:
+    def run(self, call: CallInputs, out: list[torch.Tensor] | None,
+            projection: torch.Tensor | None = None) -> tuple[list[torch.Tensor], int | None]:
         """One call: the outputs, and the slot they are views of (None when copied to ``out``)."""
         slot = self.start()
-        self.produce(call, slot)
+        self.produce(call, slot, projection)
         return self.finish(call, slot, out), None if out is not None else slot
 
     @property

@@ -34,6 +34,7 @@ from cake_sp.session.mesh import (
     decide_backend,
     probe_mesh,
 )
+from cake_sp.session.producer import ENGINES
 from cake_sp.session.slots import CallInputs
 
 # What local validation may raise; re-raised on every rank after the all-gather.
@@ -61,6 +62,8 @@ class SessionConfig:
     backend: str
     device_type: str
     wait_timeout_s: float
+    engine: str
+    save_projection: bool
 
     def validate(self, world_size: int) -> HeadPlan:
         """Check every field; return the head plan.  ValueError/TypeError names the field."""
@@ -81,6 +84,11 @@ class SessionConfig:
         if self.backend not in tuple(b.value for b in Backend):
             raise ValueError(f"backend must be one of {[b.value for b in Backend]}, "
                              f"got {self.backend!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if not isinstance(self.save_projection, bool):
+            raise TypeError(f"save_projection must be a bool, got "
+                            f"{type(self.save_projection).__name__}")
         for name in ("eps", "wait_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
@@ -124,6 +132,14 @@ class QkvNormRopeExchangeOverlap:
     wait_timeout_s : float
         NVLink path: how long a rank waits for a peer's data before giving up and
         reporting which ranks never arrived (the next call raises).
+    engine : {"auto", "fused", "cublas"}
+        How the producer computes (``session.producer``): one fused Triton kernel, or
+        cuBLAS then a Triton epilogue; ``"auto"`` picks per call shape from
+        ``_config.PRODUCER_ENGINE_TABLE``.
+    save_projection : bool
+        Under autograd, keep the projection ``x @ qkv_weight.T`` (fp32, ``rows * (Hq +
+        2*Hkv) * D * 4`` bytes a call, until its backward) instead of recomputing its
+        Q/K part in the backward (one GEMM).  Such calls run the cuBLAS engine.
 
     Construction is collective: every rank of ``group`` must construct, with the
     same configuration, or every rank raises the same error.
@@ -138,7 +154,8 @@ class QkvNormRopeExchangeOverlap:
                  num_kv_heads: int, head_dim: int, hidden: int, max_tokens: int,
                  num_slots: int = 2, layout: str = "bshd", rope_style: str = "interleaved",
                  eps: float = 1e-6, backend: str = "auto", device: torch.device | None = None,
-                 wait_timeout_s: float = 30.0) -> None:
+                 wait_timeout_s: float = 30.0, engine: str = "auto",
+                 save_projection: bool = False) -> None:
         self._group = resolve_group(group)
         self._closed = True
         self._grad_exchange = None
@@ -150,7 +167,7 @@ class QkvNormRopeExchangeOverlap:
             backend = env.backend
         self.config = SessionConfig(num_q_heads, num_kv_heads, head_dim, hidden, max_tokens,
                                     num_slots, layout, rope_style, eps, backend,
-                                    self.device.type, wait_timeout_s)
+                                    self.device.type, wait_timeout_s, engine, save_projection)
         plan, error = None, None
         try:
             plan = self.config.validate(self.world_size)
@@ -170,7 +187,7 @@ class QkvNormRopeExchangeOverlap:
         cfg = self.config
         common = dict(layout=cfg.layout, max_tokens=cfg.max_tokens, num_slots=cfg.num_slots,
                       device=self.device, eps=float(cfg.eps),
-                      rope_style=rope_style_code(cfg.rope_style))
+                      rope_style=rope_style_code(cfg.rope_style), engine=cfg.engine)
         if backend is Backend.NVLINK:
             from cake_sp.session.heap import NvshmemHeap
             from cake_sp.session.nvlink import NvlinkExchange

@@ -24,12 +24,13 @@ POISON = -12288.0  # exactly representable in bf16
 
 
 def _exchanges(world, hq, hkv, *, layout, max_tokens, device, rope_style="interleaved",
-               num_slots=2, timeout_s=30.0, head_dim=128):
+               num_slots=2, timeout_s=30.0, head_dim=128, engine="fused"):
     heap = InProcessHeap(world, device)
     plan = HeadPlan(world, hq, hkv, head_dim)
     ranks = [NvlinkExchange(heap.rank(r), plan, layout=layout, max_tokens=max_tokens,
                             num_slots=num_slots, device=torch.device(device), eps=1e-6,
-                            rope_style=rope_style_code(rope_style), wait_timeout_s=timeout_s)
+                            rope_style=rope_style_code(rope_style), engine=engine,
+                            wait_timeout_s=timeout_s)
              for r in range(world)]
     return plan, ranks
 
@@ -72,12 +73,15 @@ def _run_call(ranks, calls):
     (2, 4, 2, "bshd", "neox", True, 64),
     (2, 2, 2, "fused", "interleaved", False, 256),
 ])
+@pytest.mark.parametrize("engine", ["fused", "cublas"])
 def test_slots_match_reference_and_nothing_else_is_written(device, world, hq, hkv, layout,
-                                                           rope_style, positions, head_dim):
+                                                           rope_style, positions, head_dim,
+                                                           engine):
     g = torch.Generator().manual_seed(world * 100 + hq * 10 + hkv + head_dim)
     hidden, max_tokens = 64, 160
     plan, ranks = _exchanges(world, hq, hkv, layout=layout, max_tokens=max_tokens,
-                             device=device, rope_style=rope_style, head_dim=head_dim)
+                             device=device, rope_style=rope_style, head_dim=head_dim,
+                             engine=engine)
     for ex in ranks:
         for buffer in ex.slots._buffers:
             buffer.fill_(POISON)

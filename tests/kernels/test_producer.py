@@ -24,6 +24,7 @@ import torch
 
 from cake_sp.kernels import _config
 from cake_sp.kernels.producer import MAINLOOPS, WS_HEAD_DIMS, qkv_norm_rope_produce
+from cake_sp.kernels.producer_cublas import qkv_norm_rope_produce_cublas
 from cake_sp.kernels.signals import (
     STATUS_ENTER_TIMEOUT,
     STATUS_READY_TIMEOUT,
@@ -60,6 +61,7 @@ class Case:
     block_m: int | None = None  # None: the launch default, _config.producer_block_m
     num_sms: int | None = None
     mainloop: str | None = None  # None: the launch default
+    engine: str = "fused"  # or "cublas" (producer_cublas.py)
 
     @property
     def rows(self) -> int:
@@ -100,6 +102,16 @@ CASES = {
     # The same at D = 256 (64-row tiles on a GPU; a 256 x 64 weight block per K step).
     "w2-tma-d256": Case(2, 2, 2, head_dim=256, hidden=128, seq_local=70, rope_style="neox",
                         mainloop="tma"),
+    # The cuBLAS engine: GQA split, B = 2, every option on, 32-row blocks with a tail.
+    "w2-cublas-split": Case(2, 4, 2, hidden=192, batch=2, seq_local=50, rope_style="neox",
+                            bias=True, positions=torch.int64, block_m=32, engine="cublas"),
+    # ... with GQA replication at D = 64, one norm.
+    "w4-cublas-repl-d64": Case(4, 4, 2, head_dim=64, hidden=256, batch=2, seq_local=40,
+                               bias=True, q_norm=False, positions=torch.int32, block_m=64,
+                               engine="cublas"),
+    # ... with the fused layout, no norms, D = 256.
+    "w2-cublas-fused-d256": Case(2, 2, 2, head_dim=256, hidden=64, layout="fused",
+                                 q_norm=False, k_norm=False, block_m=16, engine="cublas"),
 }
 
 
@@ -249,13 +261,16 @@ class VirtualRanks:
             epoch=self.epoch[rank], enter=self.enter[rank], word_table=self.word_table,
             source_rank=rank, readiness=self.readiness, status=self.status[rank],
             timeout_ns=TIMEOUT_NS) if signal else None
-        qkv_norm_rope_produce(
-            src["x"], inputs["weight"], inputs["bias"], inputs["q_norm"], inputs["k_norm"],
-            src["cos_sin"], src["positions"], plan=c.plan, dest=self.dest(),
-            dest_table=self.slot_table, seq_local=c.seq_local,
-            dest_seq_offset=rank * c.seq_local, eps=EPS, rope_style=c.rope_style,
-            signals=signals, bad_positions=self.bad_positions[rank], block_m=c.tile_rows,
-            num_sms=c.num_sms, mainloop=c.mainloop)
+        common = dict(plan=c.plan, dest=self.dest(), dest_table=self.slot_table,
+                      seq_local=c.seq_local, dest_seq_offset=rank * c.seq_local, eps=EPS,
+                      rope_style=c.rope_style, signals=signals,
+                      bad_positions=self.bad_positions[rank], block_m=c.tile_rows)
+        args = (src["x"], inputs["weight"], inputs["bias"], inputs["q_norm"], inputs["k_norm"],
+                src["cos_sin"], src["positions"])
+        if c.engine == "cublas":
+            qkv_norm_rope_produce_cublas(*args, **common)
+        else:
+            qkv_norm_rope_produce(*args, **common, num_sms=c.num_sms, mainloop=c.mainloop)
 
     def row_blocks(self) -> int:
         return -(-self.case.rows // self.case.tile_rows)
@@ -324,7 +339,8 @@ def test_exchange_matches_oracle(name, device, record_property):
 
 
 # The cases whose head size the warp-specialised kernel takes, at its smallest tile.
-WS_CASES = [n for n, c in CASES.items() if c.head_dim in WS_HEAD_DIMS and c.mainloop is None]
+WS_CASES = [n for n, c in CASES.items()
+            if c.head_dim in WS_HEAD_DIMS and c.mainloop is None and c.engine == "fused"]
 
 
 @pytest.mark.gpu
@@ -341,7 +357,8 @@ def test_warp_specialized_mainloop_matches_oracle(name, norm_in_mma, device, rec
     _exchange_and_check(case, device, record_property, seed=len(name) + 1)
 
 
-@pytest.mark.parametrize("name", ["w2-gqa-split-200", "w4-gqa-repl-d64", "w2-tma"])
+@pytest.mark.parametrize("name", ["w2-gqa-split-200", "w4-gqa-repl-d64", "w2-tma",
+                                  "w2-cublas-split"])
 def test_positions_outside_the_table_are_counted_and_read_nothing(name, device,
                                                                   record_property):
     """Positions < 0 or >= the table's rows: those Q/K rows rotate by cos = sin = 0 (the
@@ -517,10 +534,11 @@ def test_rejects_readiness_of_another_block_m(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("world, hq, hkv", [(2, 32, 8), (4, 32, 8), (8, 32, 8), (8, 64, 4)])
 @pytest.mark.parametrize("batch, seq_local", [(1, 8192), (2, 1000)])
-@pytest.mark.parametrize("mainloop", MAINLOOPS)
-def test_real_shapes(world, hq, hkv, batch, seq_local, mainloop, device, record_property):
+@pytest.mark.parametrize("engine", [*MAINLOOPS, "cublas"])
+def test_real_shapes(world, hq, hkv, batch, seq_local, engine, device, record_property):
+    kind = dict(engine="cublas") if engine == "cublas" else dict(mainloop=engine)
     case = Case(world, hq, hkv, hidden=4096, batch=batch, seq_local=seq_local, bias=True,
-                positions=torch.int32, rope_style="neox", mainloop=mainloop)
+                positions=torch.int32, rope_style="neox", **kind)
     vr = VirtualRanks(case, max_tokens=case.rows, device=device)
     inputs = _make_inputs(case, device, seed=world)
     vr.call(inputs)

@@ -86,7 +86,7 @@ def _errors(ctx, y, dx, grads, want_y, want_grads) -> dict:
 
 def _check_layer(ctx, kind, *, batch=2, seq_local=13, rope_style="neox", causal=True,
                  qkv_bias=True, o_bias=True, qk_norm=True, o_proj=True, positions=False,
-                 seed=0):
+                 seed=0, **session_options):
     hq, hkv = _heads(ctx.world_size, kind)
     options = dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, o_proj=o_proj)
     problem = make_layer_problem(seed, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
@@ -94,7 +94,8 @@ def _check_layer(ctx, kind, *, batch=2, seq_local=13, rope_style="neox", causal=
                                  seq_local=seq_local, positions=positions, **options)
     want_y, want_grads = reference_layer(problem, num_q_heads=hq, num_kv_heads=hkv,
                                          rope_style=rope_style, causal=causal)
-    with _build(ctx, hq, hkv, rope_style=rope_style, causal=causal, **options) as layer:
+    with _build(ctx, hq, hkv, rope_style=rope_style, causal=causal, **options,
+                **session_options) as layer:
         _load(layer, problem.params)
         y, dx, grads = _run(ctx, layer, problem)
         report = {"backend": layer.backend, "reason": layer.backend_reason,
@@ -118,6 +119,16 @@ def case_mha_interleaved_noncausal_positions_no_bias(ctx):
 
 def case_gqa_replicate_tails_no_norm(ctx):
     return _check_layer(ctx, "gqa_replicate", qk_norm=False, seq_local=7, o_bias=False)
+
+
+def case_cublas_engine_saved_projection(ctx):
+    """The cuBLAS engine, its fp32 projection kept for the backward (bias and norms on)."""
+    return _check_layer(ctx, "gqa_split", engine="cublas", save_projection=True, seed=3)
+
+
+def case_cublas_engine_recomputed_positions(ctx):
+    return _check_layer(ctx, "gqa_replicate", engine="cublas", positions=True, batch=1,
+                        seq_local=11, rope_style="interleaved", seed=4)
 
 
 def case_no_o_proj_flux_like(ctx):
@@ -362,13 +373,12 @@ def case_gpu_graph_capture_and_back_to_back(ctx):
 
 CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no_bias,
          case_gqa_replicate_tails_no_norm, case_no_o_proj_flux_like,
+         case_cublas_engine_saved_projection, case_cublas_engine_recomputed_positions,
          case_slot_leases_under_autograd, case_checkpoint_and_inference,
          case_bad_arguments_raise_everywhere, case_fsdp2_on_a_2d_mesh, case_gpu_real_shape,
          case_gpu_graph_capture_and_back_to_back]
-REFERENCE_CASES = CASES[:4] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
+REFERENCE_CASES = CASES[:6] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
 GPU_CASES = {case_gpu_real_shape.__name__, case_gpu_graph_capture_and_back_to_back.__name__}
-
-
 
 
 def _check_errors(world, name, per_rank) -> str:

@@ -44,13 +44,13 @@ def _heads(world: int, kind: str) -> tuple[int, int]:
 
 def _check_call(ctx, *, kind, layout="bshd", rope_style="interleaved", batch=1, seq_local=37,
                 bias=True, norms=True, positions=False, use_out=False, calls=2, seed=0,
-                head_dim=128):
+                head_dim=128, engine="auto"):
     hq, hkv = _heads(ctx.world_size, kind)
     report = {"compare": []}
     with QkvNormRopeExchangeOverlap(num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
                                     hidden=HIDDEN, max_tokens=256, layout=layout,
                                     rope_style=rope_style, device=ctx.device,
-                                    backend=REQUESTED_BACKEND) as session:
+                                    backend=REQUESTED_BACKEND, engine=engine) as session:
         report["backend"], report["reason"] = session.backend, session.backend_reason
         for call in range(calls):
             # Fresh inputs every call, and a different row count on the second call.
@@ -111,6 +111,15 @@ def case_gqa_replicate_interleaved_positions(ctx):
     return _check_call(ctx, kind="gqa_replicate", batch=2, seq_local=37, positions=True)
 
 
+def case_each_engine_named(ctx):
+    """Both producer engines by name (``"auto"`` takes one of them per shape): the cuBLAS
+    engine with GQA replication, positions and B = 2; the fused one with GQA split."""
+    cublas = _check_call(ctx, kind="gqa_replicate", batch=2, seq_local=37, positions=True,
+                         rope_style="neox", engine="cublas", seed=5)
+    fused = _check_call(ctx, kind="gqa_split", seq_local=29, engine="fused", seed=6)
+    return {**cublas, "compare": cublas["compare"] + fused["compare"]}
+
+
 def case_slot_ring_keeps_earlier_outputs(ctx):
     """With two slots, call i's views survive call i+1 and are reused by call i+2."""
     hq, hkv = _heads(ctx.world_size, "mha")
@@ -142,6 +151,9 @@ def case_bad_configuration_raises_everywhere(ctx):
         "layout": ({**base, "layout": "sbhd"}, ValueError, "layout must be one of"),
         "rope_style": ({**base, "rope_style": "gptj"}, ValueError, "rope_style must be one of"),
         "backend": ({**base, "backend": "mpi"}, ValueError, "backend must be one of"),
+        "engine": ({**base, "engine": "cutlass"}, ValueError, "engine must be one of"),
+        "save_projection": ({**base, "save_projection": 1}, TypeError,
+                            "save_projection must be a bool"),
         "fused_gqa": ({**base, "num_q_heads": 2 * w, "layout": "fused"}, ValueError,
                       "num_q_heads == num_kv_heads"),
         "head_dim": ({**base, "head_dim": 96}, ValueError, "head_dim must be one of"),
@@ -308,40 +320,43 @@ def case_gpu_two_sessions_in_flight(ctx):
 
 
 def case_gpu_graph_capture_and_replay(ctx):
-    """Capture a call, replay it with fresh inputs, interleave replays with eager calls."""
+    """Capture a call, replay it with fresh inputs, interleave replays with eager calls; on
+    each producer engine."""
     if ctx.device.type != "cuda":
         return {"skipped": "GPU only"}
     hq, hkv = _heads(ctx.world_size, "gqa_split")
     report = {"compare": []}
-    with QkvNormRopeExchangeOverlap(num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
-                                    hidden=HIDDEN, max_tokens=64, num_slots=2,
-                                    device=ctx.device, backend=REQUESTED_BACKEND) as session:
-        report["graph_capturable"] = session.graph_capturable
-        if not session.graph_capturable:
-            return report
-        problems = list(_gpu_problem_stream(ctx, 31, hq, hkv, [48], 7))
-        static = [t.clone() if t is not None else None
-                  for t in problems[0].rank_args(ctx.rank, ctx.device)]
-        session(*static)  # eager warm-up: compiles the kernels
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = session(*static)
-        for i, p in enumerate(problems[1:], start=1):
-            want = p.expected(hq, hkv, "interleaved", "bshd")[ctx.rank]
-            args = p.rank_args(ctx.rank, ctx.device)
-            if i % 2:
-                for dst, src in zip(static, args):
-                    if dst is not None:
-                        dst.copy_(src)
-                graph.replay()
-                got = captured
-            else:
-                got = session(*args)
+    for engine in ("fused", "cublas"):
+        with QkvNormRopeExchangeOverlap(num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
+                                        hidden=HIDDEN, max_tokens=64, num_slots=2,
+                                        device=ctx.device, backend=REQUESTED_BACKEND,
+                                        engine=engine) as session:
+            report["graph_capturable"] = session.graph_capturable
+            if not session.graph_capturable:
+                return report
+            problems = list(_gpu_problem_stream(ctx, 31, hq, hkv, [48], 7))
+            static = [t.clone() if t is not None else None
+                      for t in problems[0].rank_args(ctx.rank, ctx.device)]
+            session(*static)  # eager warm-up: compiles the kernels
             torch.cuda.synchronize()
-            report["compare"] += _compare_qkv(got, want,
-                                              f"call {i} ({'replay' if i % 2 else 'eager'})")
-        session.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = session(*static)
+            for i, p in enumerate(problems[1:], start=1):
+                want = p.expected(hq, hkv, "interleaved", "bshd")[ctx.rank]
+                args = p.rank_args(ctx.rank, ctx.device)
+                if i % 2:
+                    for dst, src in zip(static, args):
+                        if dst is not None:
+                            dst.copy_(src)
+                    graph.replay()
+                    got = captured
+                else:
+                    got = session(*args)
+                torch.cuda.synchronize()
+                kind = "replay" if i % 2 else "eager"
+                report["compare"] += _compare_qkv(got, want, f"{engine} call {i} ({kind})")
+            session.synchronize()
     return report
 
 
@@ -366,7 +381,7 @@ def case_gpu_wait_timeout_names_the_absent_rank(ctx):
 
 CASES = [case_mha_bshd_interleaved, case_mha_fused_neox_positions_no_norm_no_bias,
          case_head_dims_64_and_256, case_gqa_split_neox_out,
-         case_gqa_replicate_interleaved_positions,
+         case_gqa_replicate_interleaved_positions, case_each_engine_named,
          case_slot_ring_keeps_earlier_outputs, case_bad_configuration_raises_everywhere,
          case_bad_call_inputs_raise_before_any_collective, case_lifecycle,
          case_gpu_back_to_back_calls, case_gpu_two_sessions_in_flight,
