@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from cake_sp.attention import attention, resolve_attention_backend
-from cake_sp.kernels import _config
 from cake_sp.layouts import GATHER_TOKENS, SCATTER_HEADS, BandTransfer
 from cake_sp.session.autograd import OutputProjectionFunction
 from cake_sp.session.bands import (
@@ -39,21 +38,7 @@ from cake_sp.session.overlap import (
     resolve_group,
 )
 
-# The o_proj GEMM of the NVLink path takes the gathered rows in this many chunks (each
-# a multiple of the push's row block), so the first chunk's GEMM runs while the later
-# rows are still arriving; calls below OUTPUT_CHUNK_MIN_ROWS rows a chunk take one GEMM.
-OUTPUT_CHUNKS = 4
-OUTPUT_CHUNK_MIN_ROWS = 1024
 PARAM_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def output_row_chunks(rows: int, block_m: int, backend: str) -> list[tuple[int, int]]:
-    """``(first_row, rows)`` pieces of the o_proj GEMM for a call of ``rows`` rows."""
-    chunks = min(OUTPUT_CHUNKS, rows // OUTPUT_CHUNK_MIN_ROWS) if backend == "nvlink" else 1
-    if chunks <= 1:
-        return [(0, rows)]
-    step = -(-rows // chunks // block_m) * block_m
-    return [(first, min(step, rows - first)) for first in range(0, rows, step)]
 
 
 class UlyssesAttention(nn.Module):
@@ -222,11 +207,8 @@ class UlyssesAttention(nn.Module):
                                    qkv_bias)
             o = attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                           backend=self.attention_backend)
-            rows = x.shape[0] * x.shape[1]
-            chunks = output_row_chunks(rows, _config.BAND_PUSH_BLOCK_M, self.backend)
             scatter = self._backward_exchange() if torch.is_grad_enabled() else None
-            return OutputProjectionFunction.apply(self._gather, scatter, chunks, o, o_weight,
-                                                  o_bias)
+            return OutputProjectionFunction.apply(self._gather, scatter, o, o_weight, o_bias)
 
     def _backward_exchange(self):
         """The scatter by heads of ``d_o``, built by the first forward under grad (collective:

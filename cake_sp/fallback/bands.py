@@ -84,6 +84,10 @@ class NcclBandExchange:
                 received.permute(1, 0, 2, 3, 4))
         pending.unpacked = True
 
+    def row_chunks(self, rows: int) -> list[tuple[int, int]]:
+        """One chunk: the collective delivers every row at once."""
+        return [(0, rows)]
+
     def output(self, pending: PendingBands) -> Tensor:
         shape = self.transfer.output_shape(pending.batch, pending.seq_local)
         n = self.transfer.slot_elements(pending.rows)

@@ -55,6 +55,12 @@ WAIT_NUM_WARPS: int = 4
 # its warps; the consumers' row-block readiness words count these rows.
 BAND_PUSH_BLOCK_M: int = 64
 BAND_PUSH_NUM_WARPS: int = 4
+# A consumer of a band exchange on NVLink (the o_proj GEMM; the front end's backward kernel
+# and dX GEMM) takes the rows in up to this many chunks, each behind a wait for its row
+# blocks, so that the first chunk's work runs while later rows still arrive; calls below
+# BAND_CHUNK_MIN_ROWS rows a chunk take one chunk.
+BAND_CHUNKS: int = 4
+BAND_CHUNK_MIN_ROWS: int = 1024
 
 # -- front_end_backward.py ----------------------------------------------------
 # Rows per program (one head of D columns): the six fp32 [BLOCK_M, D] tiles of the norm

@@ -55,7 +55,8 @@ def _norm_backward(dy, p_ptr, bias_ptr, head, offs_m, row_ok, cols, w_ptr, eps, 
 
 @triton.jit
 def _front_end_backward_kernel(g_ptr, p_ptr, bias_ptr, cos_sin_ptr, pos_ptr, q_norm_ptr,
-                               k_norm_ptr, dp_ptr, dw_ptr, rows, cos_sin_stride, eps, p_stride,
+                               k_norm_ptr, dp_ptr, dw_ptr, rows, first_block, cos_sin_stride,
+                               eps, p_stride,
                                NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                Q_PER_RANK: tl.constexpr, KV_PER_RANK: tl.constexpr,
                                KV_REPLICAS: tl.constexpr, WORLD: tl.constexpr, D: tl.constexpr,
@@ -63,7 +64,7 @@ def _front_end_backward_kernel(g_ptr, p_ptr, bias_ptr, cos_sin_ptr, pos_ptr, q_n
                                HAS_K_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                                HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr,
                                INTERPRET: tl.constexpr):
-    row_block = tl.program_id(0)
+    row_block = first_block + tl.program_id(0)
     head = tl.program_id(1)
     HEADS_PER_RANK: tl.constexpr = Q_PER_RANK + 2 * KV_PER_RANK
     QK_HEADS: tl.constexpr = NUM_Q_HEADS + NUM_KV_HEADS
@@ -110,54 +111,73 @@ def _front_end_backward_kernel(g_ptr, p_ptr, bias_ptr, cos_sin_ptr, pos_ptr, q_n
     tl.store(dst, round_to_bf16(out, INTERPRET), mask=row_ok[:, None])
 
 
-def front_end_backward(gathered: torch.Tensor, p: torch.Tensor | None, plan: HeadPlan, *,
-                       rope_cos_sin: torch.Tensor, positions: torch.Tensor | None,
-                       q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
-                       qkv_bias: torch.Tensor | None, eps: float, rope_style: int
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(dP, d_q_norm, d_k_norm)``: bf16 ``dP [rows, (Hq + 2*Hkv) * D]``, the projection's
-    gradient, and fp32 ``[D]`` norm-weight gradients (None without that weight).
+class FrontEndBackward:
+    """``dP`` and the norm-weight gradients of one backward call, filled row chunk by row chunk
+    (each chunk as soon as its gathered rows have arrived).
 
-    Parameters
-    ----------
-    gathered : bf16 ``[B, S_local, W, heads_per_rank, D]``, contiguous (module docstring).
-    p : bf16 or fp32 ``[rows, >= (Hq + Hkv) * D]`` with unit column stride: the Q/K columns
-        (first) of ``x @ W.T``, without the bias; may be None when neither norm weight is
-        given.
-    rope_cos_sin, positions : as the forward took them (``positions`` ``[rows]`` or None).
-    qkv_bias : bf16 ``[(Hq + 2*Hkv) * D]`` or None, added to ``p``.
-
-    Allocates ``dP`` and the partial sums; runs on the current stream.
+    Arguments (checked here): ``gathered`` bf16 ``[B, S_local, W, heads_per_rank, D]``,
+    contiguous (module docstring); ``p`` bf16 or fp32 ``[rows, >= (Hq + Hkv) * D]`` with unit
+    column stride, the Q/K columns (first) of ``x @ W.T`` without the bias, or None when
+    neither norm weight is given; ``rope_cos_sin`` and ``positions`` (``[rows]`` or None) as
+    the forward took them; ``qkv_bias`` bf16 ``[(Hq + 2*Hkv) * D]`` or None, added to
+    ``p``.  ``gathered`` may still be arriving: a chunk's rows are read only by its
+    ``rows`` call.  Owns ``dp``
+    (bf16 ``[rows, (Hq + 2*Hkv) * D]``) and the per-row-block partial sums of the norm-weight
+    gradients; ``rows(first, n)`` computes rows ``[first, first + n)`` (``first`` a multiple
+    of ``_config.FRONT_END_BACKWARD_BLOCK_M``) on the current stream.
     """
-    rows = gathered.shape[0] * gathered.shape[1]
-    d = plan.head_dim
-    qk_heads = plan.num_q_heads + plan.num_kv_heads
-    if gathered.shape[2:] != (plan.world_size, plan.heads_per_rank, d) \
-            or not gathered.is_contiguous():
-        raise ValueError(f"front_end_backward: gathered must be contiguous [B, S_local, "
-                         f"{plan.world_size}, {plan.heads_per_rank}, {d}], got "
-                         f"{tuple(gathered.shape)}")
-    has_norm = q_norm_weight is not None or k_norm_weight is not None
-    if has_norm and (p is None or p.dim() != 2 or p.shape[0] != rows
-                     or p.shape[1] < qk_heads * d or p.stride(1) != 1
-                     or p.dtype not in (torch.bfloat16, torch.float32)):
-        raise ValueError(f"front_end_backward: p must be bf16 or fp32 [{rows}, >= "
-                         f"{qk_heads * d}] with unit column stride, got "
-                         f"{None if p is None else (p.dtype, tuple(p.shape), p.stride())}")
-    block_m = _config.FRONT_END_BACKWARD_BLOCK_M
-    row_blocks = triton.cdiv(rows, block_m)
-    dp = torch.empty(rows, plan.total_heads * d, dtype=torch.bfloat16, device=gathered.device)
-    dw = torch.empty(row_blocks, qk_heads, d, dtype=torch.float32, device=gathered.device)
-    _front_end_backward_kernel[(row_blocks, plan.total_heads)](
-        gathered, p, qkv_bias, rope_cos_sin, positions, q_norm_weight, k_norm_weight, dp, dw,
-        rows, rope_cos_sin.stride(0), eps, 0 if p is None else p.stride(0),
-        NUM_Q_HEADS=plan.num_q_heads,
-        NUM_KV_HEADS=plan.num_kv_heads, Q_PER_RANK=plan.q_per_rank,
-        KV_PER_RANK=plan.kv_per_rank, KV_REPLICAS=plan.kv_replicas, WORLD=plan.world_size,
-        D=d, BLOCK_M=block_m, HAS_Q_NORM=q_norm_weight is not None,
-        HAS_K_NORM=k_norm_weight is not None, HAS_BIAS=qkv_bias is not None,
-        HAS_POSITIONS=positions is not None, ROPE_STYLE=rope_style, INTERPRET=_config.INTERPRET,
-        num_warps=_config.FRONT_END_BACKWARD_NUM_WARPS)
-    d_q = dw[:, :plan.num_q_heads].sum(dim=(0, 1)) if q_norm_weight is not None else None
-    d_k = dw[:, plan.num_q_heads:].sum(dim=(0, 1)) if k_norm_weight is not None else None
-    return dp, d_q, d_k
+
+    def __init__(self, gathered: torch.Tensor, p: torch.Tensor | None, plan: HeadPlan, *,
+                 rope_cos_sin: torch.Tensor, positions: torch.Tensor | None,
+                 q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                 qkv_bias: torch.Tensor | None, eps: float, rope_style: int) -> None:
+        self.num_rows = gathered.shape[0] * gathered.shape[1]
+        d = plan.head_dim
+        qk_heads = plan.num_q_heads + plan.num_kv_heads
+        if gathered.shape[2:] != (plan.world_size, plan.heads_per_rank, d) \
+                or not gathered.is_contiguous():
+            raise ValueError(f"front_end_backward: gathered must be contiguous [B, S_local, "
+                             f"{plan.world_size}, {plan.heads_per_rank}, {d}], got "
+                             f"{tuple(gathered.shape)}")
+        has_norm = q_norm_weight is not None or k_norm_weight is not None
+        if has_norm and (p is None or p.dim() != 2 or p.shape[0] != self.num_rows
+                         or p.shape[1] < qk_heads * d or p.stride(1) != 1
+                         or p.dtype not in (torch.bfloat16, torch.float32)):
+            raise ValueError(f"front_end_backward: p must be bf16 or fp32 [{self.num_rows}, >= "
+                             f"{qk_heads * d}] with unit column stride, got "
+                             f"{None if p is None else (p.dtype, tuple(p.shape), p.stride())}")
+        self._plan, self._q_norm, self._k_norm = plan, q_norm_weight, k_norm_weight
+        self._block_m = _config.FRONT_END_BACKWARD_BLOCK_M
+        device = gathered.device
+        self.dp = torch.empty(self.num_rows, plan.total_heads * d, dtype=torch.bfloat16,
+                              device=device)
+        self._dw = torch.empty(triton.cdiv(self.num_rows, self._block_m), qk_heads, d,
+                               dtype=torch.float32, device=device)
+        self._args = (gathered, p, qkv_bias, rope_cos_sin, positions, q_norm_weight,
+                      k_norm_weight, self.dp, self._dw, self.num_rows)
+        self._tail = (rope_cos_sin.stride(0), eps, 0 if p is None else p.stride(0))
+        self._constants = dict(
+            NUM_Q_HEADS=plan.num_q_heads, NUM_KV_HEADS=plan.num_kv_heads,
+            Q_PER_RANK=plan.q_per_rank, KV_PER_RANK=plan.kv_per_rank,
+            KV_REPLICAS=plan.kv_replicas, WORLD=plan.world_size, D=d, BLOCK_M=self._block_m,
+            HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
+            HAS_BIAS=qkv_bias is not None, HAS_POSITIONS=positions is not None,
+            ROPE_STYLE=rope_style, INTERPRET=_config.INTERPRET,
+            num_warps=_config.FRONT_END_BACKWARD_NUM_WARPS)
+
+    def rows(self, first: int, n: int) -> None:
+        if first % self._block_m or not 0 < n <= self.num_rows - first:
+            raise ValueError(f"front_end_backward: rows [{first}, {first + n}) must start at a "
+                             f"multiple of {self._block_m} and lie in [0, {self.num_rows})")
+        first_block = first // self._block_m
+        grid = (triton.cdiv(first + n, self._block_m) - first_block, self._plan.total_heads)
+        _front_end_backward_kernel[grid](*self._args, first_block, *self._tail,
+                                         **self._constants)
+
+    def norm_weight_grads(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """fp32 ``[D]`` gradients of the Q and K norm weights (None without that weight), once
+        every row has been computed."""
+        hq = self._plan.num_q_heads
+        d_q = self._dw[:, :hq].sum(dim=(0, 1)) if self._q_norm is not None else None
+        d_k = self._dw[:, hq:].sum(dim=(0, 1)) if self._k_norm is not None else None
+        return d_q, d_k

@@ -4,7 +4,8 @@
   Backward: ``dq, dk, dv`` gathered back to token order (a ``BandExchange``), then
   one kernel (``kernels/front_end_backward.py``: the sum over the ranks that hold a
   replicated K/V head, RoPE transposed, RMSNorm backward in fp32) gives ``dP``, then
-  ``dX = dP @ W_qkv`` and ``dW_qkv = dP^T @ X``.
+  ``dX = dP @ W_qkv`` -- both row chunk by row chunk as the chunks arrive (NVLink) --
+  and ``dW_qkv = dP^T @ X``.
 * ``OutputProjectionFunction``: gather by tokens -> o_proj GEMM.  Backward:
   ``d_o = dY @ W_o`` scattered by heads back to the band owners, ``dW_o = dY^T @ o``.
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cake_sp.kernels.front_end_backward import front_end_backward
+from cake_sp.kernels.front_end_backward import FrontEndBackward
 from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.layouts import HeadPlan
 from cake_sp.session.slots import CallInputs
@@ -47,20 +48,31 @@ def _qk_projection(call: CallInputs, plan: HeadPlan) -> Tensor | None:
     return call.x2d @ call.qkv_weight[:qk_rows].T
 
 
-def _front_end_grads(gathered: Tensor, p: Tensor | None, call: CallInputs, plan: HeadPlan, *,
+def _front_end_grads(exchange, pending, p: Tensor | None, call: CallInputs, plan: HeadPlan, *,
                      eps: float, rope_style: int) -> tuple[Tensor | None, ...]:
-    """``(dx, dW_qkv, d_bias, d_q_norm, d_k_norm)`` from the gathered output gradients
-    ``[B, S_local, W, heads_per_rank, D]`` and the Q/K projection ``p`` (without the bias)."""
-    dp, d_qn, d_kn = front_end_backward(
-        gathered, p, plan, rope_cos_sin=call.rope_cos_sin, positions=call.positions,
-        q_norm_weight=call.q_norm_weight, k_norm_weight=call.k_norm_weight,
-        qkv_bias=call.qkv_bias, eps=eps, rope_style=rope_style)
+    """``(dx, dW_qkv, d_bias, d_q_norm, d_k_norm)`` from the gathered output gradients (the
+    call ``pending`` of ``exchange``, ``[B, S_local, W, heads_per_rank, D]``) and the Q/K
+    projection ``p`` (without the bias).
+
+    The rows come in ``exchange.row_chunks``: each chunk's ``dP`` rows and ``dX`` rows are
+    computed as soon as that chunk has arrived; ``dW_qkv = dP^T @ X`` needs every row.
+    """
+    backward = FrontEndBackward(
+        exchange.output(pending), p, plan, rope_cos_sin=call.rope_cos_sin,
+        positions=call.positions, q_norm_weight=call.q_norm_weight,
+        k_norm_weight=call.k_norm_weight, qkv_bias=call.qkv_bias, eps=eps,
+        rope_style=rope_style)
+    dp = backward.dp
+    dx = torch.empty_like(call.x2d)
+    for first, n in exchange.row_chunks(call.rows):
+        exchange.wait(pending, first, n)
+        backward.rows(first, n)
+        torch.matmul(dp[first:first + n], call.qkv_weight, out=dx[first:first + n])
     d_bias = dp.sum(dim=0, dtype=torch.float32).to(dp.dtype) if call.qkv_bias is not None \
         else None
-    dx = dp @ call.qkv_weight
     d_weight = dp.T @ call.x2d
     return dx, d_weight, d_bias, *(None if g is None else g.to(torch.bfloat16)
-                                   for g in (d_qn, d_kn))
+                                   for g in backward.norm_weight_grads())
 
 
 class FrontEndFunction(torch.autograd.Function):
@@ -96,10 +108,9 @@ class FrontEndFunction(torch.autograd.Function):
         # the peers push into this rank's slot), recompute what the norm backward needs.
         saved = ctx.saved_tensors
         p = saved[0] if saved else _qk_projection(call, session.plan)
-        exchange.wait(pending)
         ctx.lease.release()
         dx, dw, db, dqn, dkn = _front_end_grads(
-            exchange.output(pending), p, call, session.plan, eps=float(session.config.eps),
+            exchange, pending, p, call, session.plan, eps=float(session.config.eps),
             rope_style=rope_style_code(session.config.rope_style))
         needs = ctx.needs_input_grad
         return (None, None, dx.view(call.batch, call.seq_local, -1) if needs[2] else None,
@@ -111,13 +122,12 @@ class OutputProjectionFunction(torch.autograd.Function):
     """``y = o_tokens @ o_weight.T (+ o_bias)``, ``o_tokens`` gathered by tokens from every
     rank's head band; without ``o_weight``, ``y = o_tokens`` (a view of the leased slot).
 
-    ``gather``/``scatter``: the layer's ``BandExchange`` of Q bands, in each direction;
-    ``row_chunks``: ``(first_row, rows)`` pieces in which the GEMM consumes the
-    rows as they arrive (multiples of the gather's row blocks).
+    ``gather``/``scatter``: the layer's ``BandExchange`` of Q bands, in each direction.  The
+    GEMM consumes the gathered rows in ``gather.row_chunks`` as they arrive.
     """
 
     @staticmethod
-    def forward(ctx, gather, scatter, row_chunks, o_band, o_weight, o_bias):
+    def forward(ctx, gather, scatter, o_band, o_weight, o_bias):
         batch, seq_global = o_band.shape[:2]
         seq_local = seq_global // gather.transfer.world_size
         rows = batch * seq_local
@@ -128,7 +138,7 @@ class OutputProjectionFunction(torch.autograd.Function):
             y = o_tokens
         else:
             y = torch.empty(rows, o_weight.shape[0], dtype=o_band.dtype, device=o_band.device)
-            for first, n in row_chunks:
+            for first, n in gather.row_chunks(rows):
                 gather.wait(pending, first, n)
                 rows_in, rows_out = o_tokens[first:first + n], y[first:first + n]
                 if o_bias is None:
@@ -153,10 +163,10 @@ class OutputProjectionFunction(torch.autograd.Function):
                                batch=batch, seq_local=seq_local)
         dw = db = None
         if o_weight is not None:
-            if ctx.needs_input_grad[4]:
+            if ctx.needs_input_grad[3]:
                 dw = dy2d.T @ ctx.o_tokens
-            if ctx.needs_input_grad[5]:
+            if ctx.needs_input_grad[4]:
                 db = dy2d.float().sum(dim=0).to(dy2d.dtype)
         ctx.lease.release()
         scatter.wait(pending)
-        return None, None, None, scatter.output(pending), dw, db
+        return None, None, scatter.output(pending), dw, db

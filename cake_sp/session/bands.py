@@ -16,8 +16,9 @@ backward's two, consumed within their call, are shared by every layer of one sha
 (``shared_band_exchange``).
 
 A call is ``pending = ex.send(parts, batch=, seq_local=)``, then ``ex.wait(pending)``
-(or ``ex.wait(pending, first_row, rows)`` for a chunk of rows, NVLink only does
-real work per chunk), then ``ex.output(pending)``: a view of the receive slot,
+(or ``ex.wait(pending, first_row, rows)`` for each chunk of ``ex.row_chunks(rows)``: on
+NVLink the consumer's first chunk starts while later rows still arrive; on NCCL there
+is one chunk), then ``ex.output(pending)``: a view of the receive slot,
 valid until the ring returns to it ``num_slots`` calls later, or for as long as
 ``ex.lease(pending)`` is held.  Every rank of the group makes the same calls in the
 same order; a call allocates nothing and runs no host collective.
@@ -119,6 +120,16 @@ class NvlinkBandExchange:
         rows = pending.rows - first_row if rows is None else rows
         first = first_row // self.block_m
         self.channel.wait(-(-(first_row + rows) // self.block_m) - first, first)
+
+    def row_chunks(self, rows: int) -> list[tuple[int, int]]:
+        """``(first_row, rows)`` pieces in which a consumer may take a call of ``rows`` rows, each
+        after ``wait(pending, first_row, rows)`` (multiples of ``block_m``; see
+        ``_config.BAND_CHUNKS``)."""
+        chunks = min(_config.BAND_CHUNKS, rows // _config.BAND_CHUNK_MIN_ROWS)
+        if chunks <= 1:
+            return [(0, rows)]
+        step = -(-rows // chunks // self.block_m) * self.block_m
+        return [(first, min(step, rows - first)) for first in range(0, rows, step)]
 
     def output(self, pending: PendingBands) -> Tensor:
         shape = self.transfer.output_shape(pending.batch, pending.seq_local)

@@ -5,7 +5,8 @@ Every rank checks its own ``y`` and ``dx``; parameter gradients (each rank's
 contribution from its own tokens) are summed over the group first, as a
 data-parallel reduction would, and compared with the full-sequence gradient.
 On CPUs the ranks use gloo and the NCCL path; ``CAKE_SP_TEST_DEVICE`` (see
-``_ranks.py``) runs the same cases on GPUs, ``CAKE_SP_TEST_WORLDS`` picks W.
+``_ranks.py``) runs the same cases on GPUs, ``CAKE_SP_TEST_WORLDS`` picks W and
+``CAKE_SP_TEST_CASES`` a subset of the cases.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ EXPECTED_BACKEND = os.environ.get("CAKE_SP_TEST_BACKEND", "nccl")
 HIDDEN = 64 if TEST_DEVICE == "cpu" else 512
 HEAD_DIM = 64
 BACK_TO_BACK_CALLS = int(os.environ.get("CAKE_SP_TEST_CALLS", "1000"))
+# Comma-separated case names (without "case_") to run only those.
+ONLY_CASES = {f"case_{c}" for c in os.environ.get("CAKE_SP_TEST_CASES", "").split(",") if c}
 
 
 def _heads(world: int, kind: str) -> tuple[int, int]:
@@ -298,20 +301,26 @@ def _to(problem, device):
 
 
 def case_gpu_real_shape(ctx):
-    """hidden 2048, GQA 16/4, D = 128, 2 x 512 tokens a rank: forward and every gradient."""
+    """hidden 2048, GQA 16/4, D = 128, 2 x 1024 tokens a rank: forward and every gradient.
+    2,048 rows a rank: on NVLink the o_proj GEMM and the front end's backward each take
+    them in two row chunks behind their waits (``BandExchange.row_chunks``).  Every rank
+    computes the float64 reference on the GPU it may share: with 2 x 1536 tokens the case
+    failed at W = 4 on one GPU, most likely out of memory there (its attention scores take
+    about 10 GB a process), which left the ranks out of step."""
     if ctx.device.type != "cuda":
         return {"skipped": "GPU only"}
     hq, hkv, d, hidden = 16, 4, 128, 2048
     problem = _to(make_layer_problem(9, ctx.world_size, hidden=hidden, num_q_heads=hq,
-                                     num_kv_heads=hkv, head_dim=d, batch=2, seq_local=512,
+                                     num_kv_heads=hkv, head_dim=d, batch=2, seq_local=1024,
                                      qkv_bias=True, o_bias=True, qk_norm=True), ctx.device)
     want_y, want_grads = reference_layer(problem, num_q_heads=hq, num_kv_heads=hkv,
                                          rope_style="neox", causal=True)
-    with UlyssesAttention(hidden, hq, hkv, d, max_tokens=1024, qkv_bias=True, o_bias=True,
+    with UlyssesAttention(hidden, hq, hkv, d, max_tokens=2048, qkv_bias=True, o_bias=True,
                           device=ctx.device) as layer:
         _load(layer, problem.params)
         y, dx, grads = _run(ctx, layer, problem)
         return {"backend": layer.backend, "reason": layer.backend_reason,
+                "row_chunks": len(layer._gather.row_chunks(2048)),
                 "errors": _errors(ctx, y, dx, grads, want_y, want_grads)}
 
 
@@ -393,6 +402,8 @@ def _check_errors(world, name, per_rank) -> str:
             assert report["backend"] == EXPECTED_BACKEND, report["reason"]
         if "no_grad_equal" in report:
             assert report["no_grad_equal"] and not report["no_grad_graph"]
+        if "row_chunks" in report:
+            assert report["row_chunks"] == (2 if EXPECTED_BACKEND == "nvlink" else 1), report
     return "worst relative errors " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
 
 
@@ -448,7 +459,11 @@ def layer_verdict(world: int, name: str, per_rank: list[dict]) -> str:
 
 
 def _cases() -> list:
-    return [c for c in CASES if TEST_DEVICE != "cpu" or c.__name__ not in GPU_CASES]
+    unknown = ONLY_CASES - {c.__name__ for c in CASES}
+    if unknown:
+        raise ValueError(f"CAKE_SP_TEST_CASES names unknown cases {sorted(unknown)}")
+    return [c for c in CASES if (TEST_DEVICE != "cpu" or c.__name__ not in GPU_CASES)
+            and (not ONLY_CASES or c.__name__ in ONLY_CASES)]
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
@@ -461,7 +476,8 @@ def test_layer(reports, case):
     world, by_case = reports
     name = case.__name__
     if name not in by_case:
-        pytest.skip("needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared)")
+        pytest.skip("not run here: needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared), or "
+                    "CAKE_SP_TEST_CASES selects others")
     if all("skipped" in r for r in by_case[name]):
         pytest.skip(by_case[name][0]["skipped"])
     print(f"W={world} {name}: {CHECKS[name](world, name, by_case[name])}")
