@@ -148,10 +148,12 @@ def request_status(q_indptr_ptr, seq_lens_ptr, page_indices_ptr, stride_pi, b, v
     Returns ``(status, last_page, tail_start)``: ``status`` is a sum of
     ``ERR_*`` bits (``ERR_PAGE`` only looked for when ``check_pages``: it walks
     the request's page-table row); ``last_page`` is the page holding the
-    request's last row when that page may be cleared (the table is valid, the
-    request appends at least one token, its positions are in range and the page
-    index is in range), else -1; rows ``[tail_start, PAGE_SIZE)`` of it follow
-    the last written row.
+    request's last row when that page may be cleared, else -1; rows
+    ``[tail_start, PAGE_SIZE)`` of it follow the request's last row.  As in
+    FlashInfer's kernel, every request of length ``seq_len >= 1`` clears, also one
+    that appends no token in this call; here only when the table is valid, the
+    last row lies inside the page table, the request's appended positions (if any)
+    are in range, and the page index is in ``[0, num_pages)``.
     """
     start, n, seq_len, pos_ok = request_span(q_indptr_ptr, seq_lens_ptr, b, max_pos,
                                              max_pages, PAGE_SIZE)
@@ -170,9 +172,14 @@ def request_status(q_indptr_ptr, seq_lens_ptr, page_indices_ptr, stride_pi, b, v
             p = tl.load(row_base + s, mask=m, other=0)
             num_bad += tl.sum((m & ((p < 0) | (p >= num_pages))).to(tl.int32), axis=0)
         status += tl.where(num_bad > 0, _ERR_PAGE, 0)
-    last_page = tl.load(row_base + last_slot, mask=writes, other=-1)
+    # The page holding the last row: for a request that appends nothing only the page table
+    # bound matters (its positions index no cos/sin row).
+    in_table = (seq_len > 0) & (tl.maximum(seq_len - 1, 0) // PAGE_SIZE < max_pages)
+    clears = valid & in_table & ((n == 0) | pos_ok)
+    tail_slot = tl.where(clears, (seq_len - 1) // PAGE_SIZE, 0)
+    last_page = tl.load(row_base + tail_slot, mask=clears, other=-1)
     last_page = tl.where((last_page >= 0) & (last_page < num_pages), last_page, -1)
-    return status, last_page.to(tl.int64), seq_len - last_slot * PAGE_SIZE
+    return status, last_page.to(tl.int64), seq_len - tail_slot * PAGE_SIZE
 
 
 @triton.jit

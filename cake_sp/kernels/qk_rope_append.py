@@ -186,11 +186,13 @@ def fused_qk_rmsnorm_rope_append_paged_kv_cache(
     out_k, out_v : bf16 ``[T, Hkv, D]``, optional
         When given, K (resp. V) goes there, row ``t``, instead of into the cache.
     clear_unused_last_page_rows : bool
-        Zero, in both caches, the rows after each request's last written row in
-        its last page (requests that append at least one token; also when
-        ``out_k``/``out_v`` redirect the writes).  This writes rows no token of
-        this call owns, so the caller must own that page exclusively (no other
-        request or in-flight reader may use those rows).
+        Zero, in both caches, rows ``[(seq_lens[b] - 1) % page_size + 1, page_size)``
+        of every request's last page, as FlashInfer does: every request with
+        ``seq_lens[b] >= 1``, also one that appends no token in this call, and also
+        when ``out_k``/``out_v`` redirect the writes (skipped for a request whose
+        metadata, positions or last page index are out of range).  This writes rows
+        no token of this call owns, so the caller must own those pages exclusively
+        (no other request or in-flight reader may use those rows).
     error_flags : int32 ``[B]``, optional
         Status per request, rewritten by every call: 0, or a sum of
         ``ERR_METADATA`` (1: ``q_indptr`` malformed; nothing at all was written),

@@ -124,8 +124,11 @@ def plan_targets(case: Case, *, max_req_len: int | None = None, clear: bool = Tr
             slots = range((s - n) // ps, (s - 1) // ps + 1)
             if any(not 0 <= table[b][j] < case.num_pages for j in slots):
                 status |= 4
+        # FlashInfer's rule: every request of length >= 1 clears its last page's tail, also
+        # one that appends nothing now (if its last row is inside the page table).
+        if clear and valid and s >= 1 and (s - 1) // ps < len(table[b]) and (n == 0 or pos_ok):
             last = table[b][(s - 1) // ps]
-            if clear and 0 <= last < case.num_pages and s % ps:
+            if 0 <= last < case.num_pages and s % ps:
                 t.tails.append((last, s % ps))
         t.status.append(status)
         for r in range(n if valid else 0):

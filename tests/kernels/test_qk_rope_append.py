@@ -107,6 +107,20 @@ def test_caller_owned_out_k_out_v(device, redirect, record_property):
     run_case(device, case, redirect=redirect, record=record_property)
 
 
+@pytest.mark.parametrize("redirect", [(False, False), (True, True)])
+def test_requests_appending_nothing_clear_their_tail(device, redirect):
+    """FlashInfer's rule: every request of length >= 1 zeroes the unused rows of its last
+    page, also one that appends no token in this call; a request of length 0, or one ending
+    on a page edge, clears nothing."""
+    case = Case(new=[0, 3, 0, 0, 2, 0], prefix=[5, 4, 0, 8, 6, 2], page_size=4,
+                num_q_heads=2, num_kv_heads=1)
+    table = case.page_indices.tolist()
+    want = {(table[0][1], 1), (table[1][1], 3), (table[4][1], 0), (table[5][0], 2)}
+    want = {(page, start) for page, start in want if start}  # request 4 ends on an edge
+    targets = run_case(device, case, redirect=redirect)
+    assert set(targets.tails) == want, targets.tails
+
+
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 def test_no_clear_leaves_tail(device, kv_layout):
     case = Case(**PREFILL, page_size=16, num_q_heads=4, num_kv_heads=2)
