@@ -75,6 +75,10 @@ class NcclBandExchange:
         if pending.unpacked:
             return
         pending.work.wait()
+        # Drop the collective's handle now rather than whenever ``pending`` goes: gloo work
+        # objects (and the tensors they hold) torn down during interpreter exit can abort
+        # the process (the cause described in pytorch/pytorch pull request 179291).
+        pending.work = None
         received = self._blocks(self._recv, pending.batch, pending.seq_local)
         out = self.output(pending)
         if self.transfer.direction == GATHER_TOKENS:  # out [B, S_local, W, heads, D]
