@@ -182,6 +182,10 @@ class UlyssesAttention(nn.Module):
     def backend_reason(self) -> str:
         return self.session.backend_reason
 
+    # torch.compile runs the layer eagerly (a graph break on each side): its calls keep host
+    # state (the slot ring, leases) and launch Triton kernels on raw pointer tables, which
+    # Dynamo cannot trace; the model around it still compiles.
+    @torch.compiler.disable
     def forward(self, x: Tensor, rope_cos_sin: Tensor, positions: Tensor | None = None) -> Tensor:
         """``y [B, S_local, hidden]`` bf16 (``[B, S_local, Hq * D]`` without o_proj).
 

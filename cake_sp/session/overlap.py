@@ -201,6 +201,7 @@ class QkvNormRopeExchangeOverlap:
         """Whether a call can be captured in a CUDA graph (the NVLink path; see docs/guide.md)."""
         return self._impl.graph_capturable
 
+    @torch.compiler.disable  # run eagerly under torch.compile (see UlyssesAttention.forward)
     def __call__(self, x: Tensor, qkv_weight: Tensor, q_norm_weight: Tensor | None,
                  k_norm_weight: Tensor | None, rope_cos_sin: Tensor,
                  positions: Tensor | None = None, qkv_bias: Tensor | None = None,

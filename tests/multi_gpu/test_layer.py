@@ -173,6 +173,40 @@ def case_slot_leases_under_autograd(ctx):
     return report
 
 
+def case_torch_compile_runs_the_layer_eagerly(ctx):
+    """``torch.compile`` of a module around the layer: the layer runs eagerly between two
+    compiled graphs (``torch.compiler.disable``), forward and backward equal to eager."""
+    hq, hkv = _heads(ctx.world_size, "gqa_split")
+    layer = _build(ctx, hq, hkv, qkv_bias=True, o_bias=True)
+    torch.manual_seed(5)  # the same weights on every rank
+    proj = torch.nn.Linear(HIDDEN, HIDDEN, device=ctx.device, dtype=torch.bfloat16)
+    problem = make_layer_problem(61, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
+                                 num_kv_heads=hkv, head_dim=HEAD_DIM, batch=1, seq_local=8,
+                                 qkv_bias=True, o_bias=True, qk_norm=True)
+    _load(layer, problem.params)
+    table = problem.tables[ctx.rank].to(ctx.device)
+
+    def model(x):
+        return proj(layer(proj(x), table))
+
+    def step(fn):
+        x = problem.xs[ctx.rank].to(ctx.device).requires_grad_(True)
+        y = fn(x)
+        y.backward(problem.dys[ctx.rank].to(ctx.device))
+        grads = [x.grad] + [p.grad for p in (*proj.parameters(), *layer.parameters())]
+        for p in (*proj.parameters(), *layer.parameters()):
+            p.grad = None
+        return y.detach(), grads
+
+    with layer:
+        want = step(model)
+        got = step(torch.compile(model, backend="aot_eager"))
+        breaks = torch._dynamo.explain(model)(problem.xs[ctx.rank].to(ctx.device))
+        return {"y_equal": bool(torch.equal(want[0], got[0])),
+                "grads_equal": all(torch.equal(a, b) for a, b in zip(want[1], got[1])),
+                "graph_breaks": breaks.graph_break_count}
+
+
 def case_checkpoint_and_inference(ctx):
     """Non-reentrant activation checkpointing gives the same gradients; no_grad and
     inference_mode calls keep no lease (more calls than slots run)."""
@@ -383,7 +417,8 @@ def case_gpu_graph_capture_and_back_to_back(ctx):
 CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no_bias,
          case_gqa_replicate_tails_no_norm, case_no_o_proj_flux_like,
          case_cublas_engine_saved_projection, case_cublas_engine_recomputed_positions,
-         case_slot_leases_under_autograd, case_checkpoint_and_inference,
+         case_slot_leases_under_autograd, case_torch_compile_runs_the_layer_eagerly,
+         case_checkpoint_and_inference,
          case_bad_arguments_raise_everywhere, case_fsdp2_on_a_2d_mesh, case_gpu_real_shape,
          case_gpu_graph_capture_and_back_to_back]
 REFERENCE_CASES = CASES[:6] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
@@ -431,6 +466,14 @@ def _check_graph_and_calls(world, name, per_rank) -> str:
     return f"graph replays equal the eager calls; {BACK_TO_BACK_CALLS} calls; " + summary
 
 
+def _check_compile(world, name, per_rank) -> str:
+    assert_no_rank_failed(world, per_rank, name)
+    for report in per_rank:
+        assert report["y_equal"] and report["grads_equal"], report
+        assert report["graph_breaks"] >= 1, report
+    return "compiled forward and backward equal to eager; the layer ran between graphs"
+
+
 def _check_bad_arguments(world, name, per_rank) -> str:
     assert_no_rank_failed(world, per_rank, name)
     for bad in per_rank[0]:
@@ -443,6 +486,7 @@ CHECKS = {
     **{case.__name__: _check_errors for case in REFERENCE_CASES},
     case_slot_leases_under_autograd.__name__: _check_leases,
     case_checkpoint_and_inference.__name__: _check_checkpoint,
+    case_torch_compile_runs_the_layer_eagerly.__name__: _check_compile,
     case_bad_arguments_raise_everywhere.__name__: _check_bad_arguments,
     case_gpu_graph_capture_and_back_to_back.__name__: _check_graph_and_calls,
 }
