@@ -163,6 +163,17 @@ class DestLayout:
             views.append(region.view(batch, self.seq_len, width // head, head))
         return views
 
+    def kind_view(self, buffer: Tensor, kind: int, heads: int, batch: int, seq_local: int,
+                  seq_offset: int) -> Tensor:
+        """The elements of ``kind``'s ``heads`` local heads that source rows ``[B, S_local]``
+        land on, as a ``[B, S_local, heads, D]`` strided view of the 1-D bf16 ``buffer``
+        (tokens ``seq_offset + s`` of every batch entry; either layout)."""
+        token, head = self.token_stride[kind], self.head_stride[kind]
+        d = head if self.layout == "bshd" else head // 3
+        return buffer.as_strided(
+            (batch, seq_local, heads, d), (self.seq_len * token, token, head, 1),
+            buffer.storage_offset() + self.region_offset[kind] + seq_offset * token)
+
     @staticmethod
     def buffer_elements(plan: HeadPlan, token_capacity: int) -> int:
         """bf16 elements a buffer of ``token_capacity`` tokens needs (either layout)."""

@@ -3,16 +3,10 @@
     torchrun --standalone --nproc-per-node=2 examples/layer.py      # CPU (gloo) or 2 GPUs
 """
 
-import os
-
 import torch
+import torch.distributed as dist
 
-if not torch.cuda.is_available():  # CPU: Triton's interpreter, chosen before cake_sp imports it
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import torch.distributed as dist  # noqa: E402
-
-from cake_sp import UlyssesAttention, reference  # noqa: E402
+from cake_sp import UlyssesAttention, reference
 
 gpu = torch.cuda.is_available()
 dist.init_process_group("nccl" if gpu else "gloo")

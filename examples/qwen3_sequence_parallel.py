@@ -3,19 +3,13 @@
     torchrun --standalone --nproc-per-node=2 examples/qwen3_sequence_parallel.py   # CPU or GPUs
 """
 
-import os
-
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
-if not torch.cuda.is_available():  # CPU: Triton's interpreter, chosen before cake_sp imports it
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-
-from cake_sp.integrations import close  # noqa: E402
-from cake_sp.integrations.transformers import apply_ulysses  # noqa: E402
+from cake_sp.integrations import close
+from cake_sp.integrations.transformers import apply_ulysses
 
 gpu = torch.cuda.is_available()
 dist.init_process_group("nccl" if gpu else "gloo")

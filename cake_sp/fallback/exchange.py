@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cake_sp.fallback.torch_front_end import produce_torch
 from cake_sp.kernels import _config
 from cake_sp.layouts import DestLayout, HeadPlan
 from cake_sp.session.positions import BadPositionsCounter
@@ -43,6 +44,8 @@ class NcclExchange:
         self._group, self._plan, self._layout = group, plan, layout
         self._max_tokens = max_tokens
         self._eps, self._rope_style, self._engine = eps, rope_style, engine
+        # On a CPU without Triton's interpreter the front end runs in plain PyTorch.
+        self._plain_torch = device.type == "cpu" and not _config.INTERPRET
         world = plan.world_size
         self.slots = SlotRing.local(DestLayout.buffer_elements(plan, max_tokens * world),
                                     num_slots, device, what="front end")
@@ -64,7 +67,8 @@ class NcclExchange:
         slot = self.slots.advance() if out is None or world == 1 else None
         layout = front_end_layout(plan, self._layout, self._max_tokens, call.seq_global)
         if world == 1:
-            self._produce(call, layout, self.slots.table(slot), projection)
+            self._produce(call, layout, self.slots.table(slot), [self.slots.buffer(slot)],
+                          projection)
             views = layout.region_views(self.slots.buffer(slot), call.batch)
             return deliver(views, out), None if out is not None else slot
         chunk = call.rows * plan.heads_per_rank * plan.head_dim
@@ -73,7 +77,8 @@ class NcclExchange:
         # Destination d's chunk starts d * chunk elements into the send buffer.
         torch.mul(self._rank_index, chunk * self._send.element_size(), out=self._send_table)
         self._send_table.add_(self._send.data_ptr())
-        self._produce(call, send_layout, self._send_table, projection)
+        self._produce(call, send_layout, self._send_table,
+                      list(self._send[: world * chunk].view(world, chunk)), projection)
         dist.all_to_all_single(self._recv[: world * chunk].view(torch.uint8),
                                self._send[: world * chunk].view(torch.uint8), group=self._group)
         views = out if out is not None else layout.region_views(self.slots.buffer(slot),
@@ -95,8 +100,14 @@ class NcclExchange:
         return self.slots.nbytes + staging
 
     def _produce(self, call: CallInputs, dest: DestLayout, table: torch.Tensor,
-                 projection: torch.Tensor | None) -> None:
-        """The producer, without signals; this rank's tokens start each destination row."""
+                 buffers: list[torch.Tensor], projection: torch.Tensor | None) -> None:
+        """The producer, without signals, into ``buffers`` (one per destination; ``table``
+        holds their addresses); this rank's tokens start each destination row."""
+        if self._plain_torch:
+            produce_torch(call, self._plan, dest, buffers, dest_seq_offset=0, eps=self._eps,
+                          rope_style=self._rope_style, bad_positions=self._bad_positions,
+                          projection=projection)
+            return
         produce(call, engine=self._engine, plan=self._plan, dest=dest, dest_table=table,
                 dest_seq_offset=0, eps=self._eps, rope_style=self._rope_style, signals=None,
                 bad_positions=self._bad_positions.count,

@@ -56,7 +56,7 @@ def _norm_backward(dy, p_ptr, bias_ptr, head, offs_m, row_ok, cols, w_ptr, eps, 
 @triton.jit
 def _front_end_backward_kernel(g_ptr, p_ptr, bias_ptr, cos_sin_ptr, pos_ptr, q_norm_ptr,
                                k_norm_ptr, dp_ptr, dw_ptr, rows, first_block, cos_sin_stride,
-                               eps, p_stride,
+                               cos_sin_rows, eps, p_stride,
                                NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                Q_PER_RANK: tl.constexpr, KV_PER_RANK: tl.constexpr,
                                KV_REPLICAS: tl.constexpr, WORLD: tl.constexpr, D: tl.constexpr,
@@ -91,9 +91,13 @@ def _front_end_backward_kernel(g_ptr, p_ptr, bias_ptr, cos_sin_ptr, pos_ptr, q_n
     if head < QK_HEADS:
         if HAS_POSITIONS:
             table_rows = tl.load(pos_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
+            # A position outside the table rotated its row by cos = sin = 0 in the forward
+            # (which reported it); its transpose is the same zero, and nothing is read.
+            table_ok = row_ok & (table_rows >= 0) & (table_rows < cos_sin_rows)
         else:
             table_rows = offs_m
-        cos, sin = load_cos_sin(cos_sin_ptr, table_rows, cos_sin_stride, row_ok,
+            table_ok = row_ok
+        cos, sin = load_cos_sin(cos_sin_ptr, table_rows, cos_sin_stride, table_ok,
                                 tl.arange(0, D // 2), D)
         dy = rope_rotate(grad, cos, -sin, BLOCK_M, D, ROPE_STYLE)
         if head < NUM_Q_HEADS:
@@ -155,7 +159,8 @@ class FrontEndBackward:
                                dtype=torch.float32, device=device)
         self._args = (gathered, p, qkv_bias, rope_cos_sin, positions, q_norm_weight,
                       k_norm_weight, self.dp, self._dw, self.num_rows)
-        self._tail = (rope_cos_sin.stride(0), eps, 0 if p is None else p.stride(0))
+        self._tail = (rope_cos_sin.stride(0), rope_cos_sin.shape[0], eps,
+                      0 if p is None else p.stride(0))
         self._constants = dict(
             NUM_Q_HEADS=plan.num_q_heads, NUM_KV_HEADS=plan.num_kv_heads,
             Q_PER_RANK=plan.q_per_rank, KV_PER_RANK=plan.kv_per_rank,

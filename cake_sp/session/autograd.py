@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cake_sp.fallback.torch_front_end import TorchFrontEndBackward
+from cake_sp.kernels import _config
 from cake_sp.kernels.front_end_backward import FrontEndBackward
 from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.layouts import HeadPlan
@@ -57,7 +59,9 @@ def _front_end_grads(exchange, pending, p: Tensor | None, call: CallInputs, plan
     The rows come in ``exchange.row_chunks``: each chunk's ``dP`` rows and ``dX`` rows are
     computed as soon as that chunk has arrived; ``dW_qkv = dP^T @ X`` needs every row.
     """
-    backward = FrontEndBackward(
+    # On a CPU without Triton's interpreter the same math in plain PyTorch.
+    plain_torch = call.x2d.device.type == "cpu" and not _config.INTERPRET
+    backward = (TorchFrontEndBackward if plain_torch else FrontEndBackward)(
         exchange.output(pending), p, plan, rope_cos_sin=call.rope_cos_sin,
         positions=call.positions, q_norm_weight=call.q_norm_weight,
         k_norm_weight=call.k_norm_weight, qkv_bias=call.qkv_bias, eps=eps,

@@ -21,7 +21,6 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from cake_sp._validation import check_tensor
-from cake_sp.kernels import _config
 from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.kernels.producer import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from cake_sp.layouts import GATHER_TOKENS, BandTransfer, DestLayout, HeadPlan
@@ -79,8 +78,6 @@ class SessionConfig:
         if self.hidden % HIDDEN_MULTIPLE:
             raise ValueError(f"hidden must be a multiple of {HIDDEN_MULTIPLE}, got {self.hidden}")
         rope_style_code(self.rope_style)
-        _config.require_triton_device("QkvNormRopeExchangeOverlap",
-                                      torch.device(self.device_type))
         if self.backend not in tuple(b.value for b in Backend):
             raise ValueError(f"backend must be one of {[b.value for b in Backend]}, "
                              f"got {self.backend!r}")
@@ -127,8 +124,9 @@ class QkvNormRopeExchangeOverlap:
         ``"auto"`` probes the mesh and falls back to ``"nccl"`` with the reason in
         ``backend_reason``; ``"nvlink"`` raises ``UlyssesBackendError`` if it cannot serve.
     device : torch.device, optional
-        Defaults to the current CUDA device, or the CPU when there is no GPU (there
-        the kernels need ``TRITON_INTERPRET=1``).
+        Defaults to the current CUDA device, or the CPU when there is no GPU.  On the
+        CPU the front end runs in plain PyTorch (``fallback/torch_front_end.py``), or
+        in Triton's interpreter when ``TRITON_INTERPRET=1`` was set before the import.
     wait_timeout_s : float
         NVLink path: how long a rank waits for a peer's data before giving up and
         reporting which ranks never arrived (the next call raises).
