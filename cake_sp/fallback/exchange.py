@@ -25,7 +25,7 @@ from cake_sp.fallback.torch_front_end import produce_torch
 from cake_sp.kernels import _config
 from cake_sp.layouts import DestLayout, HeadPlan
 from cake_sp.session.positions import BadPositionsCounter
-from cake_sp.session.producer import produce
+from cake_sp.session.producer import Producer
 from cake_sp.session.slots import CallInputs, SlotRing, deliver, front_end_layout
 
 
@@ -43,9 +43,9 @@ class NcclExchange:
                  rope_style: int, engine: str) -> None:
         self._group, self._plan, self._layout = group, plan, layout
         self._max_tokens = max_tokens
-        self._eps, self._rope_style, self._engine = eps, rope_style, engine
-        # On a CPU without Triton's interpreter the front end runs in plain PyTorch.
-        self._plain_torch = device.type == "cpu" and not _config.INTERPRET
+        self._eps, self._rope_style = eps, rope_style
+        self._plain_torch = _config.plain_torch(device)
+        self._producer = Producer(engine, plan, max_tokens=max_tokens, device=device)
         world = plan.world_size
         self.slots = SlotRing.local(DestLayout.buffer_elements(plan, max_tokens * world),
                                     num_slots, device, what="front end")
@@ -67,7 +67,7 @@ class NcclExchange:
         slot = self.slots.advance() if out is None or world == 1 else None
         layout = front_end_layout(plan, self._layout, self._max_tokens, call.seq_global)
         if world == 1:
-            self._produce(call, layout, self.slots.table(slot), [self.slots.buffer(slot)],
+            self._produce(call, layout, self.slots.table(slot), self.slots.buffer(slot),
                           projection)
             views = layout.region_views(self.slots.buffer(slot), call.batch)
             return deliver(views, out), None if out is not None else slot
@@ -77,8 +77,8 @@ class NcclExchange:
         # Destination d's chunk starts d * chunk elements into the send buffer.
         torch.mul(self._rank_index, chunk * self._send.element_size(), out=self._send_table)
         self._send_table.add_(self._send.data_ptr())
-        self._produce(call, send_layout, self._send_table,
-                      list(self._send[: world * chunk].view(world, chunk)), projection)
+        self._produce(call, send_layout, self._send_table, self._send[: world * chunk],
+                      projection)
         dist.all_to_all_single(self._recv[: world * chunk].view(torch.uint8),
                                self._send[: world * chunk].view(torch.uint8), group=self._group)
         views = out if out is not None else layout.region_views(self.slots.buffer(slot),
@@ -97,21 +97,23 @@ class NcclExchange:
     def nbytes(self) -> int:
         """Bytes of the ring and of the send and receive buffers."""
         staging = 2 * self._send.nbytes if self._plan.world_size > 1 else 0
-        return self.slots.nbytes + staging
+        return self.slots.nbytes + staging + self._producer.nbytes
 
     def _produce(self, call: CallInputs, dest: DestLayout, table: torch.Tensor,
-                 buffers: list[torch.Tensor], projection: torch.Tensor | None) -> None:
-        """The producer, without signals, into ``buffers`` (one per destination; ``table``
-        holds their addresses); this rank's tokens start each destination row."""
+                 buffer: torch.Tensor, projection: torch.Tensor | None) -> None:
+        """The producer, without signals, into ``buffer``: one equal chunk per destination
+        (``table`` holds their addresses); this rank's tokens start each destination row."""
         if self._plain_torch:
-            produce_torch(call, self._plan, dest, buffers, dest_seq_offset=0, eps=self._eps,
+            chunks = list(buffer.view(len(table), -1))
+            produce_torch(call, self._plan, dest, chunks, dest_seq_offset=0, eps=self._eps,
                           rope_style=self._rope_style, bad_positions=self._bad_positions,
                           projection=projection)
             return
-        produce(call, engine=self._engine, plan=self._plan, dest=dest, dest_table=table,
-                dest_seq_offset=0, eps=self._eps, rope_style=self._rope_style, signals=None,
-                bad_positions=self._bad_positions.count,
-                block_m=_config.producer_block_m(self._plan.head_dim), projection=projection)
+        self._producer(call, dest=dest, dest_table=table, dest_seq_offset=0, eps=self._eps,
+                       rope_style=self._rope_style, signals=None,
+                       bad_positions=self._bad_positions.count,
+                       block_m=_config.producer_block_m(self._plan.head_dim),
+                       projection=projection)
 
     def check(self) -> None:
         """Raise ``ValueError`` if an earlier call had positions outside the RoPE table."""

@@ -100,14 +100,9 @@ class TorchFrontEndBackward:
         out = g.new_empty(g.shape[0], plan.total_heads, plan.head_dim)
         for head in range(plan.total_heads):
             dests = plan.destinations(head)
-            out[:, head] = sum(g[:, rank, self._local_index(kind, local)]
+            out[:, head] = sum(g[:, rank, plan.kind_offset(kind) + local]
                                for rank, kind, local in dests)
         return out
-
-    def _local_index(self, kind: int, local: int) -> int:
-        plan = self._plan
-        return local + {KIND_Q: 0, KIND_K: plan.q_per_rank,
-                        KIND_V: plan.q_per_rank + plan.kv_per_rank}[kind]
 
     def rows(self, first: int, n: int) -> None:
         plan, d = self._plan, self._plan.head_dim

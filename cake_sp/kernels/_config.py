@@ -19,10 +19,16 @@ import torch
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def plain_torch(device: torch.device) -> bool:
+    """Whether code on ``device`` runs the plain-PyTorch path instead of Triton kernels: a
+    CPU without Triton's interpreter."""
+    return device.type == "cpu" and not INTERPRET
+
+
 def require_triton_device(what: str, device: torch.device) -> None:
     """Raise ``RuntimeError`` unless Triton kernels can run on ``device``: a CUDA GPU, or the
     CPU with Triton's interpreter, which must be chosen before Triton is first imported."""
-    if device.type == "cpu" and not INTERPRET:
+    if plain_torch(device):
         raise RuntimeError(
             f"{what} runs Triton kernels, which on the CPU need Triton's interpreter: set "
             "TRITON_INTERPRET=1 in the environment before cake_sp (or triton) is first "

@@ -60,8 +60,8 @@ def _front_end_grads(exchange, pending, p: Tensor | None, call: CallInputs, plan
     computed as soon as that chunk has arrived; ``dW_qkv = dP^T @ X`` needs every row.
     """
     # On a CPU without Triton's interpreter the same math in plain PyTorch.
-    plain_torch = call.x2d.device.type == "cpu" and not _config.INTERPRET
-    backward = (TorchFrontEndBackward if plain_torch else FrontEndBackward)(
+    plain = _config.plain_torch(call.x2d.device)
+    backward = (TorchFrontEndBackward if plain else FrontEndBackward)(
         exchange.output(pending), p, plan, rope_cos_sin=call.rope_cos_sin,
         positions=call.positions, q_norm_weight=call.q_norm_weight,
         k_norm_weight=call.k_norm_weight, qkv_bias=call.qkv_bias, eps=eps,

@@ -23,7 +23,7 @@ from cake_sp.kernels import _config
 from cake_sp.layouts import DestLayout, HeadPlan, ReadinessLayout
 from cake_sp.session.channel import NvlinkChannel, PeerTimeoutError
 from cake_sp.session.positions import BadPositionsCounter
-from cake_sp.session.producer import produce
+from cake_sp.session.producer import Producer
 from cake_sp.session.slots import CallInputs, deliver, front_end_layout
 
 __all__ = ["NvlinkExchange", "PeerTimeoutError"]
@@ -44,7 +44,8 @@ class NvlinkExchange:
                  wait_timeout_s: float) -> None:
         self._heap, self._plan, self._rank = heap, plan, heap.rank
         self._layout, self._max_tokens = layout, max_tokens
-        self._eps, self._rope_style, self._engine = eps, rope_style, engine
+        self._eps, self._rope_style = eps, rope_style
+        self._producer = Producer(engine, plan, max_tokens=max_tokens, device=device)
         self._block_m = _config.producer_block_m(plan.head_dim)
         self.channel = NvlinkChannel(
             heap, slot_elements=DestLayout.buffer_elements(plan, max_tokens * plan.world_size),
@@ -65,12 +66,13 @@ class NvlinkExchange:
     def produce(self, call: CallInputs, slot: int, projection: torch.Tensor | None = None
                 ) -> None:
         """Project, normalise and rotate; store every head band into its destination's slot
-        (``projection``: see ``session.producer.produce``)."""
-        produce(call, engine=self._engine, plan=self._plan, dest=self.layout(call.seq_global),
-                dest_table=self.slots.table(slot), dest_seq_offset=self._rank * call.seq_local,
-                eps=self._eps, rope_style=self._rope_style, signals=self.channel.signals,
-                bad_positions=self._bad_positions.count, block_m=self._block_m,
-                projection=projection)
+        (``projection``: see ``session.producer.Producer``)."""
+        self._producer(call, dest=self.layout(call.seq_global),
+                       dest_table=self.slots.table(slot),
+                       dest_seq_offset=self._rank * call.seq_local, eps=self._eps,
+                       rope_style=self._rope_style, signals=self.channel.signals,
+                       bad_positions=self._bad_positions.count, block_m=self._block_m,
+                       projection=projection)
 
     def finish(self, call: CallInputs, slot: int, out: list[torch.Tensor] | None
                ) -> list[torch.Tensor]:
@@ -88,7 +90,7 @@ class NvlinkExchange:
 
     @property
     def nbytes(self) -> int:
-        return self.channel.nbytes
+        return self.channel.nbytes + self._producer.nbytes
 
     def layout(self, seq_global: int) -> DestLayout:
         return front_end_layout(self._plan, self._layout, self._max_tokens, seq_global)

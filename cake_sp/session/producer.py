@@ -8,7 +8,8 @@ Two engines compute the same contract (``kernels/producer.py``):
 
 ``"auto"`` takes ``_config.producer_engine``'s choice for the call's shape.  A call
 whose projection autograd keeps (``projection=``) always runs the cuBLAS engine:
-only it materialises the projection.
+only it materialises the projection.  Otherwise the cuBLAS engine writes the
+``Producer``'s own workspace, allocated with the session.
 """
 
 from __future__ import annotations
@@ -25,27 +26,66 @@ from cake_sp.session.slots import CallInputs
 ENGINES = ("auto", "fused", "cublas")
 
 
-def produce(call: CallInputs, *, engine: str, plan: HeadPlan, dest: DestLayout,
-            dest_table: torch.Tensor, dest_seq_offset: int, eps: float, rope_style: int,
-            signals: ProducerSignals | None, bad_positions: torch.Tensor, block_m: int,
-            projection: torch.Tensor | None = None) -> None:
-    """Project, normalise and rotate ``call``'s rows and store every head at its destinations.
+def _cublas_rows(engine: str, max_tokens: int, on_gpu: bool) -> int:
+    """The most rows a call may run on the cuBLAS engine (its workspace's rows)."""
+    if engine == "cublas":
+        return max_tokens
+    if engine == "fused" or not on_gpu:
+        return 0
+    rows = [min(most, max_tokens) for most, name in _config.PRODUCER_ENGINE_TABLE[:-1]
+            if name == "cublas"]
+    if _config.PRODUCER_ENGINE_TABLE[-1][1] == "cublas":  # the last row takes larger calls
+        rows.append(max_tokens)
+    return max(rows, default=0)
 
-    ``engine``: one of ``ENGINES``.  ``projection``: an fp32 ``[rows, (Hq + 2*Hkv) * D]``
-    workspace the cuBLAS engine fills with ``x @ qkv_weight.T`` for the caller to keep.
-    Arguments otherwise as ``qkv_norm_rope_produce`` takes them, already validated.
-    """
-    x = call.x2d
-    if engine == "auto":
-        engine = _config.producer_engine(call.rows, x.device.type == "cuda"
-                                         and not _config.INTERPRET)
-    args = (x, call.qkv_weight, call.qkv_bias, call.q_norm_weight, call.k_norm_weight,
-            call.rope_cos_sin, call.positions)
-    common = dict(plan=plan, dest=dest, dest_table=dest_table, seq_local=call.seq_local,
-                  dest_seq_offset=dest_seq_offset, eps=eps, rope_style=rope_style,
-                  signals=signals, bad_positions=bad_positions, block_m=block_m,
-                  validate=False)
-    if engine == "cublas" or projection is not None:
-        qkv_norm_rope_produce_cublas(*args, **common, workspace=projection)
-    else:
-        qkv_norm_rope_produce(*args, **common)
+
+class Producer:
+    """One session's producer: the engine (``ENGINES``) chosen per call, and the cuBLAS
+    engine's fp32 projection workspace ``[rows, (Hq + 2*Hkv) * D]``, allocated once here
+    for the most rows a call may run on that engine, so that a call allocates nothing."""
+
+    def __init__(self, engine: str, plan: HeadPlan, *, max_tokens: int,
+                 device: torch.device) -> None:
+        self.engine, self._plan = engine, plan
+        self._on_gpu = device.type == "cuda" and not _config.INTERPRET
+        rows = _cublas_rows(engine, max_tokens, self._on_gpu)
+        self.workspace = None if rows == 0 else torch.empty(
+            rows, plan.total_heads * plan.head_dim, dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.workspace is None else self.workspace.nbytes
+
+    def __call__(self, call: CallInputs, *, dest: DestLayout, dest_table: torch.Tensor,
+                 dest_seq_offset: int, eps: float, rope_style: int,
+                 signals: ProducerSignals | None, bad_positions: torch.Tensor, block_m: int,
+                 projection: torch.Tensor | None = None) -> None:
+        """Project, normalise and rotate ``call``'s rows and store every head at its
+        destinations.
+
+        ``projection``: an fp32 ``[rows, (Hq + 2*Hkv) * D]`` tensor the cuBLAS engine fills
+        with ``x @ qkv_weight.T`` for the caller to keep (autograd), which forces that
+        engine.  Arguments otherwise as ``qkv_norm_rope_produce`` takes them, already
+        validated.
+        """
+        x = call.x2d
+        engine = self.engine
+        if engine == "auto":
+            engine = _config.producer_engine(call.rows, self._on_gpu)
+        args = (x, call.qkv_weight, call.qkv_bias, call.q_norm_weight, call.k_norm_weight,
+                call.rope_cos_sin, call.positions)
+        common = dict(plan=self._plan, dest=dest, dest_table=dest_table,
+                      seq_local=call.seq_local, dest_seq_offset=dest_seq_offset, eps=eps,
+                      rope_style=rope_style, signals=signals, bad_positions=bad_positions,
+                      block_m=block_m, validate=False)
+        if engine == "cublas" and projection is None:
+            if self.workspace is None or self.workspace.shape[0] < call.rows:
+                raise RuntimeError(f"Producer: the cuBLAS engine's workspace holds "
+                                   f"{0 if self.workspace is None else self.workspace.shape[0]}"
+                                   f" rows, the call has {call.rows} (was the engine table "
+                                   "changed after the session was built?)")
+            projection = self.workspace[:call.rows]
+        if projection is not None:
+            qkv_norm_rope_produce_cublas(*args, **common, workspace=projection)
+        else:
+            qkv_norm_rope_produce(*args, **common)
