@@ -264,9 +264,11 @@ def _persistent_grid(rows: int, tile_rows: int, plan: HeadPlan, num_sms: int) ->
     return (min(triton.cdiv(rows, tile_rows) * plan.total_heads, num_sms),)
 
 
-def _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
-                           positions, plan, dest, dest_table, seq_local, dest_seq_offset, eps,
-                           signals, bad_positions, block_m) -> None:
+def check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
+                          positions, plan, dest, dest_table, seq_local, dest_seq_offset, eps,
+                          signals, bad_positions, block_m) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the argument unless the producer's inputs fit
+    (both engines check with this)."""
     if not isinstance(plan, HeadPlan) or not isinstance(dest, DestLayout):
         raise TypeError("qkv_norm_rope_produce: plan must be a HeadPlan and dest a DestLayout, "
                         f"got {type(plan).__name__} and {type(dest).__name__}")
@@ -412,9 +414,9 @@ def qkv_norm_rope_produce(
     if block_m is None and isinstance(plan, HeadPlan):
         block_m = _config.producer_block_m(plan.head_dim, mainloop)
     if validate:
-        _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
-                               positions, plan, dest, dest_table, seq_local, dest_seq_offset,
-                               eps, signals, bad_positions, block_m)
+        check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
+                              positions, plan, dest, dest_table, seq_local, dest_seq_offset,
+                              eps, signals, bad_positions, block_m)
     rows, hidden = x.shape
     d = plan.head_dim
     block_k = _block_k(hidden)

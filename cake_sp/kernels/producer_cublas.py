@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from cake_sp.kernels import _config
-from cake_sp.kernels.producer import _check_producer_inputs, epilogue_constants, signal_args
+from cake_sp.kernels.producer import check_producer_inputs, epilogue_constants, signal_args
 from cake_sp.kernels.producer_epilogue import deliver_tile, tile_coords
 from cake_sp.kernels.signals import ProducerSignals
 from cake_sp.layouts import DestLayout, HeadPlan
@@ -124,9 +124,9 @@ def qkv_norm_rope_produce_cublas(
     rows, _ = x.shape
     n = plan.total_heads * plan.head_dim
     if validate:
-        _check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
-                               positions, plan, dest, dest_table, seq_local, dest_seq_offset,
-                               eps, signals, bad_positions, block_m)
+        check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
+                              positions, plan, dest, dest_table, seq_local, dest_seq_offset,
+                              eps, signals, bad_positions, block_m)
         if workspace is not None and (workspace.dtype != torch.float32
                                       or tuple(workspace.shape) != (rows, n)
                                       or not workspace.is_contiguous()
