@@ -9,9 +9,13 @@ Timing on a GPU is kernel time from the profiler (CUPTI through
 copies, memsets) a sample enqueued, on every stream, so work overlapped on two
 streams counts once and host gaps never count.  Each sample starts with a
 cold L2 (a buffer several times the L2 size is rewritten first) and the ranks
-start it together (host barrier, then a device barrier on NCCL groups).  On
-the CPU it is wall-clock time.  Either way a sample's time is the maximum over
-ranks: a collective is only done when its slowest rank is.
+start it together: a host barrier, then a device barrier (an NCCL all-reduce on
+NCCL groups, NVSHMEM's ``sync_all`` on the stream otherwise), so launch skew
+between ranks is spent in the barrier, which is outside the sample.  Each
+rank's host arrival time at the device barrier is kept as well: per sample,
+their spread over ranks is the launch skew, reported apart from the time.  On
+the CPU it is wall-clock time.  Either way a sample's time is the maximum over ranks:
+a collective is only done when its slowest rank is.
 """
 
 from __future__ import annotations
@@ -202,6 +206,13 @@ def split_samples(events: Sequence[tuple[str, float, float]]) -> list[float]:
     return samples
 
 
+def launch_skew(arrivals_ns_per_rank: Sequence[Sequence[int]]) -> list[float]:
+    """Per sample, the spread over ranks of the host's arrival at the device barrier
+    (max - min of ``time.time_ns()``, one clock on one host), in ms: the launch skew the
+    barrier absorbed."""
+    return [(max(t) - min(t)) / 1e6 for t in zip(*arrivals_ns_per_rank, strict=True)]
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
@@ -230,50 +241,96 @@ def check_same_on_all_ranks(ctx: BenchContext, what: str, value) -> None:
 
 # -- timers -----------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class HostDelay:
+    """A delay of ``ms`` milliseconds on rank ``rank``'s host before every sample, after the
+    host barrier: launch skew made on purpose, to check that the device barrier absorbs it."""
+
+    rank: int
+    ms: float
+
+    def apply(self, rank: int) -> None:
+        if rank == self.rank and self.ms > 0:
+            time.sleep(self.ms / 1e3)
+
+
 class WallTimer:
-    """Wall-clock samples (CPU runs): host barrier, then time the call."""
+    """Wall-clock samples (CPU runs): host barrier, then time the call (no device barrier, so
+    launch skew counts here).  After ``time_samples``, ``arrivals_ns`` holds this rank's start
+    of every sample (``time.time_ns()``)."""
 
     kind = "wall_clock"
 
-    def __init__(self, ctx: BenchContext) -> None:
-        self._ctx = ctx
+    def __init__(self, ctx: BenchContext, delay: HostDelay | None = None) -> None:
+        self._ctx, self._delay = ctx, delay
+        self.arrivals_ns: list[int] = []
 
     def time_samples(self, calls: Sequence[Callable[[], None]]) -> list[float]:
         """Run ``calls`` in order, one sample each; return this rank's times in ms."""
-        times = []
+        times, self.arrivals_ns = [], []
         for call in calls:
             dist.barrier(group=self._ctx.control)
+            if self._delay is not None:
+                self._delay.apply(self._ctx.rank)
+            self.arrivals_ns.append(time.time_ns())
             start = time.perf_counter()
             call()
             times.append((time.perf_counter() - start) * 1e3)
         return times
 
 
+def _device_barrier(ctx: BenchContext) -> tuple[Callable[[], None] | None, str]:
+    """A barrier of every rank's GPU, enqueued on the current stream, and its name.
+
+    NCCL groups: an all-reduce of one float.  gloo groups on GPUs (ranks sharing a GPU):
+    NVSHMEM's ``sync_all`` on the stream (NVSHMEM bootstrapped over the group, as the
+    session's heap does; it supports several processes per GPU).  None without nvshmem4py.
+    """
+    if ctx.dist_backend == "nccl":
+        token = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+        return (lambda: dist.all_reduce(token, group=ctx.group)), "nccl all_reduce"
+    try:
+        import nvshmem.core as nvshmem
+    except ImportError:
+        return None, "none (no nvshmem4py: host barrier only, skew is counted)"
+    from cake_sp.session.heap import NvshmemHeap
+
+    NvshmemHeap(ctx.group, ctx.device)  # bootstraps NVSHMEM once per process
+    return (lambda: nvshmem.sync_all(stream=torch.cuda.current_stream())), "nvshmem sync_all"
+
+
 class ProfilerTimer:
-    """GPU kernel-time samples from the profiler, each with a cold L2.
+    """GPU kernel-time samples from the profiler, each with a cold L2, the ranks' GPUs
+    aligned by a device barrier right before it.
 
     One profiler session covers a batch of samples; marker kernels bracket each
     sample so its activities can be told apart afterwards (``split_samples``).
+    After ``time_samples``, ``arrivals_ns`` holds this rank's host arrival at the device
+    barrier of every sample (``time.time_ns()``).  (The barrier's own GPU time does not show
+    the skew: NVSHMEM's ``sync_all`` with several processes on one GPU waits on the host.)
     """
 
     kind = "profiler_kernel_time_cold_l2"
 
-    def __init__(self, ctx: BenchContext) -> None:
-        self._ctx = ctx
+    def __init__(self, ctx: BenchContext, delay: HostDelay | None = None) -> None:
+        self._ctx, self._delay = ctx, delay
         l2 = torch.cuda.get_device_properties(ctx.device).L2_cache_size
         self._flush = torch.empty(max(_MIN_FLUSH_BYTES, 4 * l2), dtype=torch.uint8,
                                   device=ctx.device)
         self._mark = torch.zeros(1, dtype=torch.int32, device=ctx.device)
-        self._sync = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+        self._barrier, self.barrier_kind = _device_barrier(ctx)
+        self.arrivals_ns: list[int] = []
         # The first profiler session pays CUPTI's set-up; keep that out of real samples.
         self.time_samples([lambda: None])
 
     def _start_together(self) -> None:
         dist.barrier(group=self._ctx.control)
+        if self._delay is not None:
+            self._delay.apply(self._ctx.rank)
         self._flush.bitwise_xor_(1)  # rewrite the whole buffer: L2 holds none of the call's data
-        if self._ctx.dist_backend == "nccl":
-            # Align the GPUs (not just the hosts) right before the begin marker.
-            dist.all_reduce(self._sync, group=self._ctx.group)
+        self.arrivals_ns.append(time.time_ns())
+        if self._barrier is not None:
+            self._barrier()  # align the GPUs (not just the hosts) right before the begin marker
         self._mark.bitwise_not_()
 
     def time_samples(self, calls: Sequence[Callable[[], None]]) -> list[float]:
@@ -282,6 +339,7 @@ class ProfilerTimer:
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
+        self.arrivals_ns = []
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for call in calls:
                 self._start_together()
@@ -296,8 +354,8 @@ class ProfilerTimer:
         return [s / 1e3 for s in samples]
 
 
-def make_timer(ctx: BenchContext) -> WallTimer | ProfilerTimer:
-    return ProfilerTimer(ctx) if ctx.is_cuda else WallTimer(ctx)
+def make_timer(ctx: BenchContext, delay: HostDelay | None = None) -> WallTimer | ProfilerTimer:
+    return ProfilerTimer(ctx, delay) if ctx.is_cuda else WallTimer(ctx, delay)
 
 
 def synchronize(ctx: BenchContext) -> None:

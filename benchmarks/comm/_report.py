@@ -35,14 +35,14 @@ def summary_table(rows: Sequence[dict]) -> str:
     ``rows`` are the per-row results of the main benchmark's JSON.
     """
     lines = ["| row | W | hidden | Hq/Hkv | S_global | fused (arm) ms | fastest baseline ms "
-             "| speedup | floor ms (bound) | fused / floor | A/A % | flags |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| speedup | floor ms (bound) | fused / floor | A/A % | skew ms | flags |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = r["row"]
         head = (f"| {shape['name']} | {shape['world_size']} | {shape['hidden']} | "
                 f"{shape['num_q_heads']}/{shape['num_kv_heads']} | {shape['seq_global']} |")
         if r["status"] != "measured":
-            lines.append(f"{head} - | - | - | - | - | - | skipped: {r['reason']} |")
+            lines.append(f"{head} - | - | - | - | - | - | - | skipped: {r['reason']} |")
             continue
         fused = (f"{_ms(r['fused_ms'])} ({r['fused_arm']})" if r["fused_arm"] else "-")
         base = (f"{_ms(r['best_baseline_ms'])} ({r['best_baseline']})"
@@ -52,7 +52,7 @@ def summary_table(rows: Sequence[dict]) -> str:
         lines.append(f"{head} {fused} | {base} | {_ratio(r['speedup'])} | "
                      f"{_ms(floor['floor_ms'])} ({floor['bound']}) | "
                      f"{_ratio(r['fused_over_floor'])} | {_ratio(r['aa_spread_pct'], '')} | "
-                     f"{flags} |")
+                     f"{_ms(r['median_skew_ms'])} | {flags} |")
     return "\n".join(lines)
 
 

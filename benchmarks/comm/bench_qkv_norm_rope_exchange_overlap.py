@@ -52,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--link-sizes", type=lambda s: tuple(int(v) for v in s.split(",")),
                         help="all_to_all_single bytes per rank for the link sweep")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--delay-rank", type=int, default=0,
+                        help="rank whose host sleeps --delay-ms before every sample")
+    parser.add_argument("--delay-ms", type=float, default=0.0,
+                        help="launch skew made on purpose (a check that the device barrier "
+                             "keeps it out of the times; it shows in the skew column)")
     parser.add_argument("--json", help="write every raw sample, the order and the environment")
     parser.add_argument("--markdown", help="also write the printed tables to this file")
     parser.add_argument("--plot", help="write a PNG of the speedups here")

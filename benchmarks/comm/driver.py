@@ -21,12 +21,14 @@ import torch.nn.functional as F
 
 from _harness import (
     BenchContext,
+    HostDelay,
     ProfilerTimer,
     WallTimer,
     check_same_on_all_ranks,
     counterbalanced_order,
     environment,
     init_distributed,
+    launch_skew,
     make_timer,
     max_over_ranks,
     median,
@@ -109,6 +111,9 @@ def time_arms(ctx: BenchContext, timer: Timer, schedule: dict, args: argparse.Na
     # One timer batch for every round: a profiler session costs seconds to start and parse.
     per_sample, per_rank = max_over_ranks(ctx, timer.time_samples([schedule[name].run
                                                                      for _, name in order]))
+    arrivals = [None] * ctx.world_size
+    dist.all_gather_object(arrivals, timer.arrivals_ns, group=ctx.control)
+    skew = launch_skew(arrivals)
     samples = {n: [t for t, (_, m) in zip(per_sample, order, strict=True) if m == n]
                for n in names}
     samples_per_rank = {n: [[t for t, (_, m) in zip(rank, order, strict=True) if m == n]
@@ -120,6 +125,7 @@ def time_arms(ctx: BenchContext, timer: Timer, schedule: dict, args: argparse.Na
     spread = 100.0 * abs(a - b) / min(a, b) if min(a, b) > 0 else float("inf")
     return {"order": [[k, n] for k, n in order], "samples_ms": samples,
             "samples_ms_per_rank": samples_per_rank, "median_ms": medians,
+            "skew_ms": skew, "median_skew_ms": median(skew),
             "aa": {"arm": base, "control": control, "spread_pct": spread,
                    "flagged": spread > AA_LIMIT_PCT}}
 
@@ -198,7 +204,7 @@ def run_row(ctx: BenchContext, timer: Timer, row: Row, args: argparse.Namespace,
     result.update({
         "status": "measured", "reason": None,
         "gemm_flops": row.gemm_flops(world), "bytes_out_per_gpu": row.bytes_out(world),
-        "attempts": attempts, "median_ms": medians,
+        "attempts": attempts, "median_ms": medians, "median_skew_ms": kept["median_skew_ms"],
         "aa_spread_pct": kept["aa"]["spread_pct"], "flags": flags,
         "fused_arm": fused, "fused_ms": fused_ms,
         "best_baseline": best, "best_baseline_ms": baselines.get(best),
@@ -231,6 +237,12 @@ def _header(doc: dict) -> str:
              f"{' (dirty)' if env['commit_dirty'] else ''}",
              f"- timing: {doc['timer']}, medians of per-sample maxima over ranks, "
              f"counterbalanced rounds, A/A control flagged above {AA_LIMIT_PCT:g}%",
+             f"- ranks start each sample together: host barrier, then device barrier "
+             f"{doc['device_barrier'] or '(none on the CPU)'}; skew = median over samples of "
+             f"the spread of the ranks' host arrivals at that barrier, not part of any GPU time"
+             + (f"; rank {doc['config']['delay_rank']} delayed "
+                f"{doc['config']['delay_ms']:g} ms on purpose" if doc['config']['delay_ms']
+                else ""),
              f"- matmul rate: {ceil['matmul']['rate_flops_per_s'] / 1e12:.3g} TFLOP/s "
              f"({ceil['matmul']['rate_source']})",
              f"- link rate: {ceil['link']['rate_bytes_per_s'] / 1e9:.1f} GB/s "
@@ -273,13 +285,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     ctx = init_distributed(args.device, args.dist_backend)
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
-    timer = make_timer(ctx)
+    timer = make_timer(ctx, HostDelay(args.delay_rank, args.delay_ms))
     runnable = [r for r in rows if r.invalid_reason(ctx.world_size) is None]
     sizes = args.link_sizes or (SIZES_CUDA if ctx.is_cuda else SIZES_CPU)
     ceilings = {"matmul": measure_matmul_rate(ctx, timer, runnable, args.ceiling_samples),
                 "link": measure_link(ctx, timer, sizes, args.ceiling_samples)}
     doc = {"schema": SCHEMA, "command": sys.argv, "config": vars(args),
-           "environment": environment(ctx), "timer": timer.kind, "caveats": _caveats(ctx),
+           "environment": environment(ctx), "timer": timer.kind,
+           "device_barrier": getattr(timer, "barrier_kind", None), "caveats": _caveats(ctx),
            "aa_limit_pct": AA_LIMIT_PCT, "arms_catalogue": ARMS, "ceilings": ceilings,
            "complete": False, "rows": []}
     with progress(ctx.rank == 0, len(rows), "rows") as advance:

@@ -25,18 +25,18 @@ BENCH = REPO / "benchmarks" / "comm" / "bench_qkv_norm_rope_exchange_overlap.py"
 WORLD = 2
 ROW_KEYS = {"row", "status", "reason", "arms", "gemm_flops", "bytes_out_per_gpu", "attempts",
             "median_ms", "aa_spread_pct", "flags", "fused_arm", "fused_ms", "best_baseline",
-            "best_baseline_ms", "speedup", "floor", "fused_over_floor"}
-ATTEMPT_KEYS = {"order", "samples_ms", "samples_ms_per_rank", "median_ms", "aa"}
+            "best_baseline_ms", "speedup", "floor", "fused_over_floor", "median_skew_ms"}
+ATTEMPT_KEYS = {"order", "samples_ms", "samples_ms_per_rank", "median_ms", "aa", "skew_ms",
+                "median_skew_ms"}
+DELAY_MS = 20.0
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("bench")
+def _run_bench(out: Path, *extra: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     args = ["--rows", "tiny", "--samples", "2", "--warmup", "0", "--ceiling-samples", "1",
             "--json", str(out / "r.json"), "--markdown", str(out / "r.md"),
-            "--plot", str(out / "r.png")]
+            "--plot", str(out / "r.png"), *extra]
     if TEST_DEVICE == "cpu":
         args += ["--device", "cpu", "--link-sizes", "4096,65536"]
     else:
@@ -49,6 +49,11 @@ def run(tmp_path_factory) -> dict:
         cwd=REPO, env=env, capture_output=True, text=True, timeout=580)
     assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return {"doc": json.loads((out / "r.json").read_text()), "out": out, "stdout": proc.stdout}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    return _run_bench(tmp_path_factory.mktemp("bench"))
 
 
 def test_files_and_environment(run):
@@ -104,3 +109,17 @@ def test_samples_order_and_aa_control(run):
                 per_rank = attempt["samples_ms_per_rank"][name]
                 assert len(per_rank) == WORLD
                 assert samples == [max(v) for v in zip(*per_rank, strict=True)]
+
+
+@pytest.mark.skipif(TEST_DEVICE == "cpu", reason="the device barrier exists on GPUs only")
+def test_device_barrier_keeps_a_delayed_rank_out_of_the_times(run, tmp_path):
+    """Rank 1 sleeps 20 ms on the host before every sample: it shows as skew, and the device
+    barrier keeps it out of every arm's time (a tiny row takes well under 1 ms; without the
+    barrier, rank 0's waits for rank 1 would count the 20 ms)."""
+    delayed = _run_bench(tmp_path, "--delay-rank", "1", "--delay-ms", str(DELAY_MS))["doc"]
+    assert delayed["device_barrier"] in ("nccl all_reduce", "nvshmem sync_all")
+    for plain, late in zip(run["doc"]["rows"], delayed["rows"], strict=True):
+        assert late["median_skew_ms"] > DELAY_MS / 2, late["median_skew_ms"]
+        assert plain["median_skew_ms"] < DELAY_MS / 4, plain["median_skew_ms"]
+        for name, ms in late["median_ms"].items():
+            assert ms < plain["median_ms"][name] + DELAY_MS / 10, (late["row"]["name"], name)

@@ -9,7 +9,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "comm"))
 
-from _harness import counterbalanced_order, split_samples, union_length  # noqa: E402
+from _harness import (  # noqa: E402
+    counterbalanced_order,
+    launch_skew,
+    split_samples,
+    union_length,
+)
 from rows import catalogue, select_rows  # noqa: E402
 
 
@@ -42,6 +47,14 @@ def test_split_samples_uses_markers_and_ignores_what_lies_outside():
         (begin, 29, 30), ("kernel", 31, 33), ("kernel", 35, 36), (end, 37, 38),
     ]
     assert split_samples(list(reversed(events))) == [12, 3]
+
+
+def test_launch_skew_is_the_spread_of_arrivals_per_sample():
+    ms = 1_000_000
+    assert launch_skew([[5 * ms, 100, 7 * ms], [1 * ms, 100, 9 * ms]]) == pytest.approx(
+        [4.0, 0.0, 2.0])
+    with pytest.raises(ValueError):
+        launch_skew([[5, 1], [1]])
 
 
 @pytest.mark.parametrize("events", [
