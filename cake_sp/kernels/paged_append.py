@@ -289,7 +289,6 @@ def check_paged_append_common(op: str, qkv, cos_sin, seq_lens, q_indptr, page_in
     if qkv.device.type not in ("cuda", "cpu"):
         raise ValueError(f"{op}: qkv must be on a CUDA device, got {describe(qkv)}")
     dev = qkv.device
-    _config.require_triton_device(op, dev)
     require_tensor(op, "cos_sin", cos_sin, dtypes=(torch.float32,), ndim=2, device=dev)
     require_tensor(op, "seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1, device=dev)
     require_tensor(op, "q_indptr", q_indptr, dtypes=(torch.int32,), ndim=1, device=dev)

@@ -110,6 +110,7 @@ def _check_qk_rope_append_inputs(qkv, cos_sin, seq_lens, q_indptr, page_indices,
             check_token_out(_OP, name, out, (num_tokens, heads, head_dim), torch.bfloat16,
                             qkv.device)
     check_error_flags(_OP, error_flags, num_req, qkv.device)
+    _config.require_triton_device(_OP, qkv.device)  # last: a bad argument is named first
     return num_tokens, num_req, head_dim, page_size
 
 

@@ -219,6 +219,7 @@ def _check_qk_rope_fp8_append_inputs(qkv, cos_sin, seq_lens, q_indptr, page_indi
             raise ValueError(f"{_OP}: split_k_flag must be contiguous [B, Hkv] = "
                              f"[{num_req}, {hkv}], got {describe(split_k_flag)}")
     check_error_flags(_OP, error_flags, num_req, qkv.device)
+    _config.require_triton_device(_OP, qkv.device)  # last: a bad argument is named first
     return num_tokens, num_req, hq, hkv, head_dim, page_size
 
 
