@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from cake_sp.attention import attention, resolve_attention_backend
 from cake_sp.layouts import GATHER_TOKENS, SCATTER_HEADS, BandTransfer
+from cake_sp.session import ops
 from cake_sp.session.autograd import OutputProjectionFunction
 from cake_sp.session.bands import (
     make_band_exchange,
@@ -74,8 +75,11 @@ class UlyssesAttention(nn.Module):
         Without it (FLUX single-stream blocks), the layer returns the token-order
         attention output ``[B, S_local, Hq * D]`` and has no ``o_weight``.
     num_slots : int
-        Receive slots of each exchange: how many calls' outputs stay valid, and how
-        many forwards may await their backward at once (``num_slots - 1``).
+        Receive slots of each forward exchange: how many forwards may await their
+        backward at once (an activation-checkpointed forward holds none), and how many
+        calls' outputs stay valid without grad.  1 (the default) serves ``fwd, bwd, fwd,
+        bwd`` schedules with or without checkpointing; a pipeline schedule with ``k``
+        forwards awaiting their backwards needs ``k``.
     engine : {"auto", "fused", "cublas"}
         The front end's producer (see ``QkvNormRopeExchangeOverlap``).
     save_projection : bool
@@ -98,7 +102,7 @@ class UlyssesAttention(nn.Module):
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = True,
                  rope_style: str = "neox", causal: bool = True, eps: float = 1e-6,
                  softmax_scale: float | None = None, attention_backend: str = "auto",
-                 backend: str = "auto", o_proj: bool = True, num_slots: int = 2,
+                 backend: str = "auto", o_proj: bool = True, num_slots: int = 1,
                  wait_timeout_s: float = 30.0, engine: str = "auto",
                  save_projection: bool = False, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> None:
@@ -135,6 +139,7 @@ class UlyssesAttention(nn.Module):
             max_tokens=max_tokens, num_slots=num_slots, device=device,
             wait_timeout_s=wait_timeout_s, what="output exchange")
         self._scatter = None  # the backward's, built by the first forward that needs it
+        self.op_handle = ops.register(self)  # how the compiled output step names this layer
 
         def param(*shape):
             return nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -182,10 +187,6 @@ class UlyssesAttention(nn.Module):
     def backend_reason(self) -> str:
         return self.session.backend_reason
 
-    # torch.compile runs the layer eagerly (a graph break on each side): its calls keep host
-    # state (the slot ring, leases) and launch Triton kernels on raw pointer tables, which
-    # Dynamo cannot trace; the model around it still compiles.
-    @torch.compiler.disable
     def forward(self, x: Tensor, rope_cos_sin: Tensor, positions: Tensor | None = None) -> Tensor:
         """``y [B, S_local, hidden]`` bf16 (``[B, S_local, Hq * D]`` without o_proj).
 
@@ -197,6 +198,10 @@ class UlyssesAttention(nn.Module):
         the no-o_proj layer is a view of a receive slot (valid ``num_slots - 1`` further
         calls); with grad every slot a call's autograd state reads stays leased until
         its backward.
+
+        Under ``torch.compile`` the session call and the output step are custom operators
+        (``session/ops.py``), so the layer compiles into the model's graph (and its
+        backward into the compiled backward) with no graph break.
         """
         # Differentiable casts: fp32 master weights get fp32 gradients (no-ops for bf16).
         params = [None if p is None else p.to(torch.bfloat16)
@@ -211,6 +216,8 @@ class UlyssesAttention(nn.Module):
                                    qkv_bias)
             o = attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                           backend=self.attention_backend)
+            if torch.compiler.is_compiling():
+                return ops.output_projection(self, o, o_weight, o_bias)
             scatter = self._backward_exchange() if torch.is_grad_enabled() else None
             return OutputProjectionFunction.apply(self._gather, scatter, o, o_weight, o_bias)
 

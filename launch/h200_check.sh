@@ -4,13 +4,15 @@
 #
 #   bash launch/h200_check.sh env unit kernels shared demo
 #
-# Stages: env, unit, kernels (every kernel test on the GPU; kernels-nvlink, kernels-append and
-# kernels-fmha run one family), shared (the session with W = 2, 4, 8
+# Stages: env, unit, kernels (every kernel test on the GPU; kernels-nvlink, kernels-append,
+# kernels-backward and kernels-fmha run one family), shared (the session with W = 2, 4, 8
 # processes sharing GPU 0 over the NVLink path, nvshmem4py; SHARED_WORLDS picks W, and
 # CAKE_SP_TEST_CALLS / CAKE_SP_TEST_CASES the back-to-back call count and a subset of the
 # cases, see tests/multi_gpu/test_session.py), demo (one rank, NCCL path),
 # sanitizer (compute-sanitizer memcheck + racecheck on the in-process NVLink protocol),
-# bench-producer, bench-append, bench-fmha, bench-comm (the comm benchmark with ranks sharing GPU 0),
+# bench-producer, bench-append, bench-fmha, bench-comm (the comm benchmark with ranks sharing GPU 0;
+# BENCH_COMM_ARGS replaces its --rows), bench-smoke-shared (the comm benchmark's smoke test on GPU 0
+# shared by two ranks, with the check that a rank delayed on the host is kept out of the times),
 # kernels-band (the band push with virtual ranks), layer-shared (UlyssesAttention with W = 2, 4
 # processes sharing GPU 0 over NVLink), bench-layer (the layer benchmark, one rank) and
 # bench-layer-shared (its smoke run with two ranks sharing GPU 0), sanitizer-layer (memcheck and
@@ -95,6 +97,8 @@ run_named() {
                             tests/kernels/test_signals.py tests/kernels/test_nvlink_inprocess.py ;;
         kernels-append) run_stage kernels-append "${PYTEST[@]}" tests/kernels/test_qk_rope_append.py \
                             tests/kernels/test_qk_rope_fp8_append.py ;;
+        kernels-backward) run_stage kernels-backward "${PYTEST[@]}" \
+                              tests/kernels/test_front_end_backward.py ;;
         kernels-fmha) run_stage kernels-fmha "${PYTEST[@]}" tests/kernels -k fmha ;;
         shared) run_stage shared env CAKE_SP_TEST_DEVICE=cuda-shared CAKE_SP_TEST_BACKEND=nvlink \
                     CAKE_SP_TEST_WORLDS=${SHARED_WORLDS:-2,4,8} \
@@ -137,7 +141,10 @@ run_named() {
                           --json "$OUT/train_steps.json" ${TRAIN_ARGS:-} ;;
         bench-comm) run_stage bench-comm env CAKE_SP_ALLOW_SHARED_GPU=1 torchrun --standalone \
                         --nproc-per-node=2 benchmarks/comm/bench_qkv_norm_rope_exchange_overlap.py \
-                        --dist-backend gloo --rows representative --json "$OUT/bench_comm.json" ;;
+                        --dist-backend gloo --json "$OUT/bench_comm.json" \
+                        ${BENCH_COMM_ARGS:---rows representative} ;;
+        bench-smoke-shared) run_stage bench-smoke-shared env CAKE_SP_TEST_DEVICE=cuda-shared \
+                                "${PYTEST_SERIAL[@]}" tests/multi_gpu/test_bench_smoke.py ;;
         *) echo "unknown stage $stage" >&2; return 2 ;;
     esac
 }

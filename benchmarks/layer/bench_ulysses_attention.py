@@ -9,8 +9,9 @@ RoPE, causal attention by ``scaled_dot_product_attention``, o_proj):
 
 * ``cake_sp``: ``UlyssesAttention`` (``backend="auto"``, ``engine="auto"``); with
   ``--variants``, beside it ``cake_sp_fused`` (``engine="fused"``: the fused Triton
-  producer) and ``cake_sp_save`` (``save_projection=True``: the forward's projection
-  kept for the backward instead of recomputed), the same weights;
+  producer), ``cake_sp_save`` (``save_projection=True``: the forward's projection
+  kept for the backward instead of recomputed) and ``cake_sp_slots1`` (``num_slots=1``:
+  half the forward rings, enough without activation checkpointing), the same weights;
 * ``plain``: the layer written in plain PyTorch: cuBLAS projections, the per-op
   RMSNorm and RoPE of transformers, ``all_to_all_single`` per tensor both ways
   (with W = 1 no exchange runs);
@@ -178,7 +179,8 @@ def _peak_mb(fn, device) -> float:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
-VARIANTS = {"fused": dict(engine="fused"), "save": dict(save_projection=True)}
+VARIANTS = {"fused": dict(engine="fused"), "save": dict(save_projection=True),
+            "slots1": dict(num_slots=1)}
 
 
 def run_row(shape: Shape, modes, group, control, device, peers, rounds,
@@ -259,6 +261,8 @@ def run_row(shape: Shape, modes, group, control, device, peers, rounds,
             "world": shape.world, "mode": mode, "backend": ours.backend,
             "engine": _config.producer_engine(shape.seq_local, True),
             "cake_sp_buffer_mb": ours.buffer_bytes / 2**20,
+            "variant_buffer_mb": {f"cake_sp_{n}": m.buffer_bytes / 2**20
+                                  for n, m in extra.items()},
             "median_ms": {n: statistics.median(s) for n, s in samples.items()},
             "not_run": {n: c for n, c in checks.items() if isinstance(c, str)},
             "samples_ms": samples, "peak_mb": peak, "rel_error_vs_plain": checks,
@@ -278,12 +282,14 @@ def _line(r: dict) -> str:
     t = r["median_ms"]
     parts = [f"{r['hidden']:>5} {r['hq']:>2}/{r['hkv']:<2} S={r['seq_global']:>6} W={r['world']} "
              f"{r['mode']:<6} cake_sp {t['cake_sp']:8.3f} ms"]
-    for name in ("cake_sp_fused", "cake_sp_save", "plain", "deepspeed", "yunchang"):
+    for name in ("cake_sp_fused", "cake_sp_save", "cake_sp_slots1", "plain", "deepspeed",
+                 "yunchang"):
         if name in t:
             parts.append(f"{name} {t[name]:8.3f} ({t[name] / t['cake_sp']:.2f}x)")
     parts.append(f"floor {t['floor']:8.3f} (cake_sp/floor {t['cake_sp'] / t['floor']:.2f})")
     parts.append("peak MB " + " ".join(f"{n} {v:.0f}" for n, v in r["peak_mb"].items())
-                 + f" (+ cake_sp buffers {r['cake_sp_buffer_mb']:.0f})")
+                 + f" (+ cake_sp buffers {r['cake_sp_buffer_mb']:.0f}"
+                 + "".join(f", {n} {v:.0f}" for n, v in r["variant_buffer_mb"].items()) + ")")
     parts += [f"{n} not run: {why[:60]}" for n, why in r["not_run"].items()]
     return " | ".join(parts)
 

@@ -36,8 +36,6 @@ class NcclExchange:
     head band (sized once, here) and the session's receive-slot ring.
     """
 
-    graph_capturable = False
-
     def __init__(self, group: dist.ProcessGroup, plan: HeadPlan, *, layout: str,
                  max_tokens: int, num_slots: int, device: torch.device, eps: float,
                  rope_style: int, engine: str) -> None:
@@ -56,6 +54,11 @@ class NcclExchange:
             self._recv = torch.empty_like(self._send)
             self._send_table = torch.empty(world, dtype=torch.int64, device=device)
             self._rank_index = torch.arange(world, dtype=torch.int64, device=device)
+        # A call allocates nothing, never waits on the host and takes its slot on the host,
+        # so it can be captured wherever its collective can: NCCL's (CUDA-graph capturable),
+        # or none at W = 1.  gloo's all-to-all runs on the host.
+        self.graph_capturable = device.type == "cuda" and (
+            world == 1 or dist.get_backend(group) == dist.Backend.NCCL)
 
     def run(self, call: CallInputs, out: list[torch.Tensor] | None,
             projection: torch.Tensor | None = None) -> tuple[list[torch.Tensor], int | None]:

@@ -13,13 +13,15 @@ What each saves (per layer call on one rank, ``rows = B * S_local``):
 
 * front end: ``x`` and the parameters are the caller's; the q/k/v outputs are
   views of a receive slot, leased until the backward so that no later call
-  overwrites them.  The projection of the Q/K heads, which only the norm backward
+  overwrites them (the lease rides in a saved ticket, ``session/tickets.py``: under
+  activation checkpointing it ends with the forward, and the recomputed forward
+  takes its own).  The projection of the Q/K heads, which only the norm backward
   reads, is by default recomputed in the backward (one bf16 GEMM of ``rows x (Hq +
   Hkv) * D x hidden``, only with a QK norm); with the session's ``save_projection``
   the forward's fp32 projection of every head is kept instead (``rows * (Hq +
   2 * Hkv) * D * 4`` bytes until the backward; the cuBLAS engine writes it anyway).
 * output: the token-order ``o`` (``rows * Hq * D`` bf16), a view of the gather's
-  receive slot, leased likewise.
+  receive slot, saved and leased likewise.
 
 The attention between them is the attention backend's own autograd (it saves
 q, k, v, o and its LSE).  Parameter gradients are this rank's contribution from
@@ -29,6 +31,8 @@ with DeepSpeed-Ulysses) sums them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -37,7 +41,8 @@ from cake_sp.kernels import _config
 from cake_sp.kernels.front_end_backward import FrontEndBackward
 from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.layouts import HeadPlan
-from cake_sp.session.slots import CallInputs
+from cake_sp.session.slots import CallInputs, SlotLease
+from cake_sp.session.tickets import issue, redeem
 
 
 def _qk_projection(call: CallInputs, plan: HeadPlan) -> Tensor | None:
@@ -79,47 +84,114 @@ def _front_end_grads(exchange, pending, p: Tensor | None, call: CallInputs, plan
                                    for g in backward.norm_weight_grads())
 
 
+def front_end_forward(session, call: CallInputs, *, for_backward: bool
+                      ) -> tuple[list[Tensor], int, Tensor | None]:
+    """Run one session call: ``(views, slot, projection)``.
+
+    views: the outputs, views of receive slot ``slot``.  projection: the fp32
+    ``[rows, (Hq + 2 * Hkv) * D]`` projection kept for the backward (allocated here, owned by
+    the caller from now on) when ``for_backward`` and the session saves it, else None.
+    """
+    projection = None
+    if for_backward and session.config.save_projection and (call.q_norm_weight is not None
+                                                            or call.k_norm_weight is not None):
+        projection = torch.empty(call.rows, call.qkv_weight.shape[0], dtype=torch.float32,
+                                 device=call.x2d.device)
+    views, slot = session._impl.run(call, None, projection)
+    return views, slot, projection
+
+
+def front_end_backward(session, call: CallInputs, grads: Sequence[Tensor],
+                       projection: Tensor | None, lease: SlotLease) -> tuple[Tensor | None, ...]:
+    """``(dx [B, S_local, hidden], dW_qkv, d_bias, d_q_norm, d_k_norm)`` of one call from the
+    gradients of its outputs (``(dq, dk, dv)``, or one fused tensor); releases ``lease`` (the
+    forward's slot) once nothing reads it any more.  Collective, like the forward."""
+    d = session.plan.head_dim
+    if len(grads) == 1:  # one [B, S_global, H, 3D] tensor: q | k | v per head
+        grads = tuple(grads[0][..., i * d:(i + 1) * d] for i in range(3))
+    parts = [g.to(torch.bfloat16) for g in grads]
+    exchange = session.grad_exchange()
+    pending = exchange.send(parts, batch=call.batch, seq_local=call.seq_local)
+    # While the gradients travel (the NCCL path's collective is asynchronous; on NVLink
+    # the peers push into this rank's slot), recompute what the norm backward needs.
+    p = projection if projection is not None else _qk_projection(call, session.plan)
+    lease.release()
+    dx, dw, db, dqn, dkn = _front_end_grads(
+        exchange, pending, p, call, session.plan, eps=float(session.config.eps),
+        rope_style=rope_style_code(session.config.rope_style))
+    return dx.view(call.batch, call.seq_local, -1), dw, db, dqn, dkn
+
+
+def output_projection_forward(gather, o_band: Tensor, o_weight: Tensor | None,
+                              o_bias: Tensor | None) -> tuple[Tensor, Tensor, SlotLease]:
+    """``(y [B, S_local, out], o_tokens [rows, Hq * D], lease)``: ``o_band`` gathered by tokens
+    (``o_tokens``, a view of the gather's slot, pinned by ``lease`` until released), then
+    ``y = o_tokens @ o_weight.T (+ o_bias)`` chunk by chunk as the rows arrive (``y`` is
+    ``o_tokens`` itself without ``o_weight``)."""
+    batch, seq_global = o_band.shape[:2]
+    seq_local = seq_global // gather.transfer.world_size
+    rows = batch * seq_local
+    pending = gather.send([o_band], batch=batch, seq_local=seq_local)
+    o_tokens = gather.output(pending).view(rows, -1)
+    if o_weight is None:
+        gather.wait(pending)
+        y = o_tokens
+    else:
+        y = torch.empty(rows, o_weight.shape[0], dtype=o_band.dtype, device=o_band.device)
+        for first, n in gather.row_chunks(rows):
+            gather.wait(pending, first, n)
+            rows_in, rows_out = o_tokens[first:first + n], y[first:first + n]
+            if o_bias is None:
+                torch.matmul(rows_in, o_weight.T, out=rows_out)
+            else:  # the bias in the GEMM's epilogue: one rounding, no extra pass
+                torch.addmm(o_bias, rows_in, o_weight.T, out=rows_out)
+    return y.view(batch, seq_local, -1), o_tokens, gather.lease(pending)
+
+
+def output_projection_backward(scatter, dy: Tensor, o_weight: Tensor | None, o_tokens: Tensor,
+                               lease: SlotLease, *, weight_grad: bool, bias_grad: bool
+                               ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(d_o_band, dW_o, d_bias)`` from ``dy [B, S_local, out]``: ``d_o = dy @ W_o`` scattered
+    by heads back to the band owners (``d_o_band``, a view of the scatter's slot), ``dW_o =
+    dy^T @ o_tokens``; releases ``lease`` (the forward's gather slot).  Collective."""
+    batch, seq_local = dy.shape[:2]
+    dy2d = dy.reshape(batch * seq_local, -1).to(torch.bfloat16)
+    d_tokens = dy2d if o_weight is None else dy2d @ o_weight
+    transfer = scatter.transfer
+    pending = scatter.send([d_tokens.view(batch, seq_local,
+                                          transfer.part_heads[0] * transfer.world_size, -1)],
+                           batch=batch, seq_local=seq_local)
+    dw = dy2d.T @ o_tokens if o_weight is not None and weight_grad else None
+    db = dy2d.float().sum(dim=0).to(dy2d.dtype) if o_weight is not None and bias_grad else None
+    lease.release()
+    scatter.wait(pending)
+    return scatter.output(pending), dw, db
+
+
 class FrontEndFunction(torch.autograd.Function):
     """The session call with a backward (``QkvNormRopeExchangeOverlap.__call__`` uses it when
-    an input requires grad).  Outputs are views of a leased receive slot."""
+    an input requires grad).  Outputs are views of a receive slot, leased by a saved ticket
+    (``session/tickets.py``) until the backward."""
 
     @staticmethod
     def forward(ctx, session, call: CallInputs, x, qkv_weight, qkv_bias, q_norm_weight,
                 k_norm_weight):
-        projection = None
-        if session.config.save_projection and (q_norm_weight is not None
-                                               or k_norm_weight is not None):
-            projection = torch.empty(call.rows, qkv_weight.shape[0], dtype=torch.float32,
-                                     device=x.device)
-            # Saved, not kept on ctx: activation checkpointing may drop and recompute it.
-            ctx.save_for_backward(projection)
-        views, slot = session._impl.run(call, None, projection)
-        ctx.lease = session._impl.slots.lease(slot)
+        views, slot, projection = front_end_forward(session, call, for_backward=True)
+        # Saved, not kept on ctx: activation checkpointing drops them (and the lease with the
+        # ticket) after the forward, and its recomputed forward saves its own.
+        ctx.save_for_backward(issue(lease=session._impl.slots.lease(slot)), projection)
         ctx.session, ctx.call = session, call
-        ctx.fused = len(views) == 1
         return tuple(views)
 
     @staticmethod
     def backward(ctx, *grads):
-        session, call = ctx.session, ctx.call
-        d = session.plan.head_dim
-        if ctx.fused:  # one [B, S_global, H, 3D] tensor: q | k | v per head
-            grads = tuple(grads[0][..., i * d:(i + 1) * d] for i in range(3))
-        parts = [g.to(torch.bfloat16) for g in grads]
-        exchange = session.grad_exchange()
-        pending = exchange.send(parts, batch=call.batch, seq_local=call.seq_local)
-        # While the gradients travel (the NCCL path's collective is asynchronous; on NVLink
-        # the peers push into this rank's slot), recompute what the norm backward needs.
-        saved = ctx.saved_tensors
-        p = saved[0] if saved else _qk_projection(call, session.plan)
-        ctx.lease.release()
-        dx, dw, db, dqn, dkn = _front_end_grads(
-            exchange, pending, p, call, session.plan, eps=float(session.config.eps),
-            rope_style=rope_style_code(session.config.rope_style))
+        ticket, projection = ctx.saved_tensors
+        state = redeem(ticket, "front end backward")
+        dx, dw, db, dqn, dkn = front_end_backward(ctx.session, ctx.call, grads, projection,
+                                                  state.lease)
         needs = ctx.needs_input_grad
-        return (None, None, dx.view(call.batch, call.seq_local, -1) if needs[2] else None,
-                dw if needs[3] else None, db if needs[4] else None,
-                dqn if needs[5] else None, dkn if needs[6] else None)
+        return (None, None, dx if needs[2] else None, dw if needs[3] else None,
+                db if needs[4] else None, dqn if needs[5] else None, dkn if needs[6] else None)
 
 
 class OutputProjectionFunction(torch.autograd.Function):
@@ -132,45 +204,16 @@ class OutputProjectionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gather, scatter, o_band, o_weight, o_bias):
-        batch, seq_global = o_band.shape[:2]
-        seq_local = seq_global // gather.transfer.world_size
-        rows = batch * seq_local
-        pending = gather.send([o_band], batch=batch, seq_local=seq_local)
-        o_tokens = gather.output(pending).view(rows, -1)
-        if o_weight is None:
-            gather.wait(pending)
-            y = o_tokens
-        else:
-            y = torch.empty(rows, o_weight.shape[0], dtype=o_band.dtype, device=o_band.device)
-            for first, n in gather.row_chunks(rows):
-                gather.wait(pending, first, n)
-                rows_in, rows_out = o_tokens[first:first + n], y[first:first + n]
-                if o_bias is None:
-                    torch.matmul(rows_in, o_weight.T, out=rows_out)
-                else:  # the bias in the GEMM's epilogue: one rounding, no extra pass
-                    torch.addmm(o_bias, rows_in, o_weight.T, out=rows_out)
-        ctx.lease = gather.lease(pending)
-        ctx.save_for_backward(o_weight)
-        ctx.o_tokens, ctx.scatter = o_tokens, scatter
-        ctx.shape = (batch, seq_local)
-        return y.view(batch, seq_local, -1)
+        y, o_tokens, lease = output_projection_forward(gather, o_band, o_weight, o_bias)
+        ctx.save_for_backward(o_weight, o_tokens, issue(lease=lease))
+        ctx.scatter = scatter
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        (o_weight,) = ctx.saved_tensors
-        batch, seq_local = ctx.shape
-        dy2d = dy.reshape(batch * seq_local, -1).to(torch.bfloat16)
-        d_tokens = dy2d if o_weight is None else dy2d @ o_weight
-        scatter = ctx.scatter
-        pending = scatter.send([d_tokens.view(batch, seq_local, scatter.transfer.part_heads[0]
-                                              * scatter.transfer.world_size, -1)],
-                               batch=batch, seq_local=seq_local)
-        dw = db = None
-        if o_weight is not None:
-            if ctx.needs_input_grad[3]:
-                dw = dy2d.T @ ctx.o_tokens
-            if ctx.needs_input_grad[4]:
-                db = dy2d.float().sum(dim=0).to(dy2d.dtype)
-        ctx.lease.release()
-        scatter.wait(pending)
-        return None, None, scatter.output(pending), dw, db
+        o_weight, o_tokens, ticket = ctx.saved_tensors
+        state = redeem(ticket, "output projection backward")
+        d_o, dw, db = output_projection_backward(
+            ctx.scatter, dy, o_weight, o_tokens, state.lease,
+            weight_grad=ctx.needs_input_grad[3], bias_grad=ctx.needs_input_grad[4])
+        return None, None, d_o, dw, db

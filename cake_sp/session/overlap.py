@@ -24,6 +24,7 @@ from cake_sp._validation import check_tensor
 from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.kernels.producer import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from cake_sp.layouts import GATHER_TOKENS, BandTransfer, DestLayout, HeadPlan
+from cake_sp.session import ops
 from cake_sp.session.autograd import FrontEndFunction
 from cake_sp.session.bands import release_band_exchange, shared_band_exchange
 from cake_sp.session.mesh import (
@@ -179,6 +180,7 @@ class QkvNormRopeExchangeOverlap:
         self.backend: str = decision.backend.value
         self.backend_reason: str = decision.reason
         self._impl = self._build(decision.backend)
+        self.op_handle = ops.register(self)  # how the compiled call names this session
         self._closed = False
 
     def _build(self, backend: Backend):
@@ -199,7 +201,6 @@ class QkvNormRopeExchangeOverlap:
         """Whether a call can be captured in a CUDA graph (the NVLink path; see docs/guide.md)."""
         return self._impl.graph_capturable
 
-    @torch.compiler.disable  # run eagerly under torch.compile (see UlyssesAttention.forward)
     def __call__(self, x: Tensor, qkv_weight: Tensor, q_norm_weight: Tensor | None,
                  k_norm_weight: Tensor | None, rope_cos_sin: Tensor,
                  positions: Tensor | None = None, qkv_bias: Tensor | None = None,
@@ -224,7 +225,16 @@ class QkvNormRopeExchangeOverlap:
         ``(q, k, v)`` for ``"bshd"`` or one tensor for ``"fused"``: views of the
         session's current receive slot (or ``out``).  Enqueued on the current
         stream; the host does not wait for the GPU.
+
+        Under ``torch.compile`` the call is the custom operator ``cake_sp::front_end``
+        (``session/ops.py``); ``out=`` is not available there.
         """
+        if torch.compiler.is_compiling():
+            if out is not None:
+                raise ValueError("out= is not supported under torch.compile (the outputs are "
+                                 "views of the receive slot; copy them in the model instead)")
+            return ops.front_end(self, x, qkv_weight, q_norm_weight, k_norm_weight,
+                                 rope_cos_sin, positions, qkv_bias)
         if self._closed:
             raise RuntimeError("QkvNormRopeExchangeOverlap is closed")
         call = self._check_call_inputs(x, qkv_weight, q_norm_weight, k_norm_weight,

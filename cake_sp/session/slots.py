@@ -115,8 +115,9 @@ class SlotRing:
 class SlotLease:
     """Keeps one slot of a ring from reuse while autograd may still read it.
 
-    Held by an autograd context; released by its backward or, if the graph is
-    dropped without one, when the context is freed.  ``release`` is idempotent.
+    Held by a ticket an autograd context saved (``session/tickets.py``); released by its
+    backward or, if the graph is dropped without one, when the ticket is freed.
+    ``release`` is idempotent.
     """
 
     def __init__(self, ring: SlotRing, slot: int) -> None:

@@ -14,7 +14,7 @@ Where the ranks run is read from the environment:
 * ``CAKE_SP_TEST_DEVICE=cpu`` (default): gloo, CPU tensors, Triton interpreter.
 * ``CAKE_SP_TEST_DEVICE=cuda``: NCCL, one GPU per rank.
 * ``CAKE_SP_TEST_DEVICE=cuda-shared``: gloo, every rank on GPU 0, the NVLink
-  path allowed on one shared GPU (``CAKE_SP_ALLOW_SHARED_GPU=1``).
+  path allowed on one shared GPU (``CAKE_SP_ALLOW_SHARED_GPU=1``); NCCL for one rank.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def _rank_main(rank: int, world: int, port: int, cases: list, verdict, out_dir: 
     if TEST_DEVICE == "cuda":
         device, backend = torch.device("cuda", rank), "nccl"
         torch.cuda.set_device(device)
-    elif TEST_DEVICE == "cuda-shared":
-        device, backend = torch.device("cuda", 0), "gloo"
+    elif TEST_DEVICE == "cuda-shared":  # NCCL refuses two ranks on one GPU, but takes one
+        device, backend = torch.device("cuda", 0), "gloo" if world > 1 else "nccl"
         os.environ["CAKE_SP_ALLOW_SHARED_GPU"] = "1"
         torch.cuda.set_device(device)
     else:

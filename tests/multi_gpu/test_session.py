@@ -322,6 +322,17 @@ def case_gpu_two_sessions_in_flight(ctx):
 def case_gpu_graph_capture_and_replay(ctx):
     """Capture a call, replay it with fresh inputs, interleave replays with eager calls; on
     each producer engine."""
+    return _capture_and_replay(ctx, REQUESTED_BACKEND)
+
+
+def case_gpu_nccl_graph_capture(ctx):
+    """The same on the NCCL path of an NCCL group (capturable: no host sync, no allocation)."""
+    if ctx.dist_backend != "nccl":
+        return {"skipped": "needs an NCCL group"}
+    return _capture_and_replay(ctx, "nccl")
+
+
+def _capture_and_replay(ctx, backend: str) -> dict:
     if ctx.device.type != "cuda":
         return {"skipped": "GPU only"}
     hq, hkv = _heads(ctx.world_size, "gqa_split")
@@ -329,7 +340,7 @@ def case_gpu_graph_capture_and_replay(ctx):
     for engine in ("fused", "cublas"):
         with QkvNormRopeExchangeOverlap(num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
                                         hidden=HIDDEN, max_tokens=64, num_slots=2,
-                                        device=ctx.device, backend=REQUESTED_BACKEND,
+                                        device=ctx.device, backend=backend,
                                         engine=engine) as session:
             report["graph_capturable"] = session.graph_capturable
             if not session.graph_capturable:
@@ -385,10 +396,11 @@ CASES = [case_mha_bshd_interleaved, case_mha_fused_neox_positions_no_norm_no_bia
          case_slot_ring_keeps_earlier_outputs, case_bad_configuration_raises_everywhere,
          case_bad_call_inputs_raise_before_any_collective, case_lifecycle,
          case_gpu_back_to_back_calls, case_gpu_two_sessions_in_flight,
-         case_gpu_graph_capture_and_replay, case_gpu_wait_timeout_names_the_absent_rank]
+         case_gpu_graph_capture_and_replay, case_gpu_nccl_graph_capture,
+         case_gpu_wait_timeout_names_the_absent_rank]
 RESULT_CASES = CASES[:6] + [case_bad_call_inputs_raise_before_any_collective,
-                            case_gpu_back_to_back_calls, case_gpu_two_sessions_in_flight,
-                            case_gpu_graph_capture_and_replay]
+                            case_gpu_back_to_back_calls, case_gpu_two_sessions_in_flight]
+GRAPH_CASES = [case_gpu_graph_capture_and_replay, case_gpu_nccl_graph_capture]
 GPU_CASES = {c.__name__ for c in CASES if c.__name__.startswith("case_gpu_")}
 # On CPUs every rank runs the kernels through Triton's interpreter, so the larger
 # worlds run the cases that depend on W (head split, replication, agreement) and
@@ -447,6 +459,16 @@ def _check_bad_configuration(world, name, per_rank) -> str:
     return "every rank raised the same errors"
 
 
+def _check_graph_capture(world, name, per_rank) -> str:
+    if all("skipped" in r for r in per_rank):
+        return f"skipped: {per_rank[0]['skipped']}"
+    assert_no_rank_failed(world, per_rank, name)
+    for report in per_rank:
+        assert report["graph_capturable"], report
+        assert len(report["compare"]) == 2 * 6 * 3, "q, k, v of 6 calls on each engine"
+    return "captured; " + _check_matches_reference(world, name, per_rank)
+
+
 def _check_lifecycle(world, name, per_rank) -> str:
     assert_no_rank_failed(world, per_rank, name)
     return "closed twice, then a call raised"
@@ -458,6 +480,7 @@ CHECKS = {
     case_gpu_wait_timeout_names_the_absent_rank.__name__: [_check_timeout],
     case_bad_configuration_raises_everywhere.__name__: [_check_bad_configuration],
     case_lifecycle.__name__: [_check_lifecycle],
+    **{case.__name__: [_check_graph_capture] for case in GRAPH_CASES},
 }
 assert set(CHECKS) == {case.__name__ for case in CASES}, "every case needs its checks"
 
@@ -494,6 +517,25 @@ def test_every_rank_matches_the_reference(reports, case):
         pytest.skip("needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared)")
     summary = _check_matches_reference(world, case.__name__, _reports_of(by_case, case.__name__))
     print(f"W={world} {case.__name__}: {summary}")
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=lambda c: c.__name__[5:])
+def test_graph_capture_and_replay(reports, case):
+    world, by_case = reports
+    if TEST_DEVICE == "cpu":
+        pytest.skip("needs GPUs (CAKE_SP_TEST_DEVICE=cuda or cuda-shared)")
+    print(f"W={world} {case.__name__}: "
+          f"{_check_graph_capture(world, case.__name__, _reports_of(by_case, case.__name__))}")
+
+
+@pytest.mark.skipif(TEST_DEVICE == "cpu", reason="needs a GPU")
+def test_nccl_path_captures_at_world_one():
+    """One rank on an NCCL group (allowed where ranks otherwise share the GPU): the NCCL
+    path says it is capturable, and its replays match the reference."""
+    name = case_gpu_nccl_graph_capture.__name__
+    per_rank = run_cases(1, [case_gpu_nccl_graph_capture])[name]
+    assert "skipped" not in per_rank[0], per_rank[0]
+    print(f"W=1 {name}: {_check_graph_capture(1, name, per_rank)}")
 
 
 def test_wait_timeout_names_the_absent_rank(reports):
