@@ -211,7 +211,20 @@ def fused_qk_rmsnorm_rope_append_paged_kv_cache(
     ------
     TypeError, ValueError
         On a wrong dtype, shape, device, layout or option, before any allocation.
+
+    Under ``torch.compile`` the call is the custom operator
+    ``cake_sp::qk_rmsnorm_rope_append_paged_kv_cache`` (below), which mutates the caches
+    and the outputs; the checks run when it runs.
     """
+    if torch.compiler.is_compiling():
+        if out_q is None:
+            out_q = qkv.new_empty((qkv.shape[0], num_q_heads, key_cache.shape[-1]))
+        torch.ops.cake_sp.qk_rmsnorm_rope_append_paged_kv_cache(
+            qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache, value_cache, out_q,
+            out_k, out_v, q_norm_weight, k_norm_weight, error_flags, num_q_heads,
+            num_kv_heads, qk_norm_policy, eps, rope_style, kv_layout,
+            clear_unused_last_page_rows)
+        return out_q
     num_tokens, num_req, head_dim, page_size = _check_qk_rope_append_inputs(
         qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache, value_cache, num_q_heads,
         num_kv_heads, qk_norm_policy, q_norm_weight, k_norm_weight, rope_style, kv_layout,
@@ -226,6 +239,30 @@ def fused_qk_rmsnorm_rope_append_paged_kv_cache(
                        kv_layout=kv_layout, clear=clear_unused_last_page_rows,
                        page_size=page_size)
     return out_q
+
+
+@torch.library.custom_op("cake_sp::qk_rmsnorm_rope_append_paged_kv_cache",
+                        mutates_args=("key_cache", "value_cache", "out_q", "out_k", "out_v",
+                                      "error_flags"))
+def _append_op(qkv: torch.Tensor, cos_sin: torch.Tensor, seq_lens: torch.Tensor,
+               q_indptr: torch.Tensor, page_indices: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, out_q: torch.Tensor, out_k: torch.Tensor | None,
+               out_v: torch.Tensor | None, q_norm_weight: torch.Tensor | None,
+               k_norm_weight: torch.Tensor | None, error_flags: torch.Tensor | None,
+               num_q_heads: int, num_kv_heads: int, qk_norm_policy: int, eps: float,
+               rope_style: str, kv_layout: str, clear_unused_last_page_rows: bool) -> None:
+    """The op as one custom operator (for ``torch.compile``): writes only what it mutates."""
+    fused_qk_rmsnorm_rope_append_paged_kv_cache(
+        qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache, value_cache,
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, qk_norm_policy=qk_norm_policy,
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
+        rope_style=rope_style, kv_layout=kv_layout, out_q=out_q, out_k=out_k, out_v=out_v,
+        clear_unused_last_page_rows=clear_unused_last_page_rows, error_flags=error_flags)
+
+
+@_append_op.register_fake
+def _(*args) -> None:
+    return None
 
 
 def qk_rope_append_fwd(qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache, value_cache,

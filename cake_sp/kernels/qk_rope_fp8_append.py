@@ -318,7 +318,29 @@ def fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache(
     ------
     TypeError, ValueError
         On a wrong dtype, shape, device, layout or option, before any allocation.
+
+    Under ``torch.compile`` the call is the custom operator
+    ``cake_sp::qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache`` (below), which mutates
+    the caches and the outputs; the checks run when it runs.
     """
+    if torch.compiler.is_compiling():
+        key_cache, value_cache = paged_kv_cache
+        head_dim = key_cache.shape[-1]
+        hkv = key_cache.shape[2] if kv_layout == "NHD" else key_cache.shape[1]
+        hq, num_tokens, num_req = qkv.shape[1] // head_dim - 2 * hkv, qkv.shape[0], len(seq_lens)
+        if out_q is None:
+            out_q = qkv.new_empty((num_tokens, hq, head_dim), dtype=torch.float8_e4m3fn)
+        if q_scale is None:
+            q_scale = qkv.new_empty(q_scale_shape(quant_policy, is_prefill, num_tokens, num_req,
+                                                  hq, max_seqlen), dtype=torch.float32)
+        if split_k_flag is None:
+            split_k_flag = qkv.new_empty((num_req, hkv), dtype=torch.int32)
+        torch.ops.cake_sp.qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache(
+            qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache, value_cache, is_prefill,
+            k_scale, v_scale, quant_policy, max_seqlen, upper_max, q_scale_inv, q_norm_weight,
+            k_norm_weight, qk_norm_policy, out_q, out_k, out_v, q_scale, split_k_flag, eps,
+            rope_style, kv_layout, clear_unused_last_page_rows, error_flags)
+        return out_q, q_scale, split_k_flag
     num_tokens, num_req, hq, hkv, head_dim, page_size = _check_qk_rope_fp8_append_inputs(
         qkv, cos_sin, seq_lens, q_indptr, page_indices, paged_kv_cache, is_prefill, k_scale,
         v_scale, quant_policy, max_seqlen, upper_max, q_scale_inv, q_norm_weight, k_norm_weight,
@@ -369,3 +391,30 @@ def fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache(
         INTERPRET=_config.INTERPRET, num_warps=_config.APPEND_NUM_WARPS,
     )
     return out_q, q_scale, split_k_flag
+
+
+@torch.library.custom_op("cake_sp::qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache",
+                        mutates_args=("key_cache", "value_cache", "out_q", "out_k", "out_v",
+                                      "q_scale", "split_k_flag", "error_flags"))
+def _append_fp8_op(qkv: torch.Tensor, cos_sin: torch.Tensor, seq_lens: torch.Tensor,
+                   q_indptr: torch.Tensor, page_indices: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, is_prefill: bool, k_scale: torch.Tensor,
+                   v_scale: torch.Tensor, quant_policy: int, max_seqlen: int, upper_max: float,
+                   q_scale_inv: torch.Tensor | None, q_norm_weight: torch.Tensor | None,
+                   k_norm_weight: torch.Tensor | None, qk_norm_policy: int,
+                   out_q: torch.Tensor, out_k: torch.Tensor | None, out_v: torch.Tensor | None,
+                   q_scale: torch.Tensor, split_k_flag: torch.Tensor, eps: float,
+                   rope_style: str, kv_layout: str, clear_unused_last_page_rows: bool,
+                   error_flags: torch.Tensor | None) -> None:
+    """The op as one custom operator (for ``torch.compile``): writes only what it mutates."""
+    fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache(
+        qkv, cos_sin, seq_lens, q_indptr, page_indices, (key_cache, value_cache), is_prefill,
+        k_scale, v_scale, quant_policy, max_seqlen, upper_max, q_scale_inv, q_norm_weight,
+        k_norm_weight, qk_norm_policy, out_q, out_k, out_v, q_scale, split_k_flag, eps=eps,
+        rope_style=rope_style, kv_layout=kv_layout,
+        clear_unused_last_page_rows=clear_unused_last_page_rows, error_flags=error_flags)
+
+
+@_append_fp8_op.register_fake
+def _(*args) -> None:
+    return None

@@ -306,6 +306,13 @@ def batch_decode_with_kv_cache(
     """
     _check_flashinfer_only("batch_decode_with_kv_cache", flashinfer_only,
                            {**_FLASHINFER_ONLY, **_DECODE_ONLY})
+    if torch.compiler.is_compiling():  # one custom operator in the graph (below)
+        out, lse = _compiled_outputs(query, out, out_dtype, lse, return_lse)
+        torch.ops.cake_sp.batch_decode_with_kv_cache(
+            query, *_split_kv(kv_cache), workspace_buffer, block_tables, seq_lens, max_seq_len,
+            float(bmm1_scale), float(bmm2_scale), window_left, out, sinks, kv_layout,
+            q_len_per_req, uses_shared_paged_kv_idx, lse)
+        return (out, lse) if return_lse else out
     q_len = _check_int("q_len_per_req", q_len_per_req, 1)
     problem, cell = _prepare(
         "decode", query, kv_cache, workspace_buffer, block_tables, seq_lens,
@@ -369,6 +376,14 @@ def batch_context_with_kv_cache(
     out, or ``(out, lse)`` when ``return_lse``.
     """
     _check_flashinfer_only("batch_context_with_kv_cache", flashinfer_only, _FLASHINFER_ONLY)
+    if torch.compiler.is_compiling():  # one custom operator in the graph (below)
+        out, lse = _compiled_outputs(query, out, out_dtype, lse, return_lse)
+        torch.ops.cake_sp.batch_context_with_kv_cache(
+            query, *_split_kv(kv_cache), workspace_buffer, block_tables, seq_lens, max_q_len,
+            max_kv_len, float(bmm1_scale), float(bmm2_scale), batch_size, cum_seq_lens_q,
+            cum_seq_lens_kv, window_left, out, kv_layout, sinks, causal,
+            uses_shared_paged_kv_idx, lse)
+        return (out, lse) if return_lse else out
     batch = _check_int("batch_size", batch_size, 1)
     check_tensor("cum_seq_lens_kv", cum_seq_lens_kv, dtypes=_INDEX_DTYPES, ndim=1,
                  device=query.device if isinstance(query, torch.Tensor) else None)
@@ -384,3 +399,69 @@ def batch_context_with_kv_cache(
         uses_shared_paged_kv_idx=uses_shared_paged_kv_idx, lse=lse, return_lse=return_lse,
         causal=causal, q_len_per_req=0, cu_q=cum_seq_lens_q, batch_size=batch)
     return _run(problem, cell, return_lse)
+
+
+# -- torch.compile: each op is one custom operator that writes caller-visible outputs ----------
+# Under compilation the public functions allocate their outputs (as their eager paths would)
+# and call these; the checks run when the operator runs.
+
+def _compiled_outputs(query: torch.Tensor, out: torch.Tensor | None,
+                      out_dtype: torch.dtype | None, lse: torch.Tensor | None,
+                      return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if out is None:
+        out = query.new_empty(query.shape, dtype=out_dtype or query.dtype)
+    if lse is None and return_lse:
+        lse = query.new_empty(query.shape[:2], dtype=torch.float32)
+    return out, lse
+
+
+def _split_kv(kv_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(k, v)`` of a K/V pair, ``(kv, None)`` of one combined cache tensor."""
+    if isinstance(kv_cache, (tuple, list)):
+        return kv_cache[0], kv_cache[1]
+    return kv_cache, None
+
+
+def _joined_kv(k_cache: torch.Tensor, v_cache: torch.Tensor | None):
+    return k_cache if v_cache is None else (k_cache, v_cache)
+
+
+@torch.library.custom_op("cake_sp::batch_decode_with_kv_cache",
+                        mutates_args=("workspace_buffer", "out", "lse"))
+def _decode_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+               workspace_buffer: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, max_seq_len: int, bmm1_scale: float, bmm2_scale: float,
+               window_left: int, out: torch.Tensor, sinks: torch.Tensor | None,
+               kv_layout: str, q_len_per_req: int, uses_shared_paged_kv_idx: bool,
+               lse: torch.Tensor | None) -> None:
+    batch_decode_with_kv_cache(
+        query, _joined_kv(k_cache, v_cache), workspace_buffer, block_tables, seq_lens,
+        max_seq_len, bmm1_scale, bmm2_scale, window_left, out=out, sinks=sinks,
+        kv_layout=kv_layout, q_len_per_req=q_len_per_req,
+        uses_shared_paged_kv_idx=uses_shared_paged_kv_idx, lse=lse)
+
+
+@_decode_op.register_fake
+def _(*args) -> None:
+    return None
+
+
+@torch.library.custom_op("cake_sp::batch_context_with_kv_cache",
+                        mutates_args=("workspace_buffer", "out", "lse"))
+def _context_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+                workspace_buffer: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, max_q_len: int, max_kv_len: int, bmm1_scale: float,
+                bmm2_scale: float, batch_size: int, cum_seq_lens_q: torch.Tensor,
+                cum_seq_lens_kv: torch.Tensor, window_left: int, out: torch.Tensor,
+                kv_layout: str, sinks: torch.Tensor | None, causal: bool,
+                uses_shared_paged_kv_idx: bool, lse: torch.Tensor | None) -> None:
+    batch_context_with_kv_cache(
+        query, _joined_kv(k_cache, v_cache), workspace_buffer, block_tables, seq_lens,
+        max_q_len, max_kv_len, bmm1_scale, bmm2_scale, batch_size, cum_seq_lens_q,
+        cum_seq_lens_kv, window_left, out=out, kv_layout=kv_layout, sinks=sinks,
+        causal=causal, uses_shared_paged_kv_idx=uses_shared_paged_kv_idx, lse=lse)
+
+
+@_context_op.register_fake
+def _(*args) -> None:
+    return None
