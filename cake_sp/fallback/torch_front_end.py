@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from cake_sp import reference
+from cake_sp.kernels.front_end_backward import dp_buffer
 from cake_sp.kernels.norm_rope import ROPE_STYLES
 from cake_sp.layouts import KIND_K, KIND_Q, KIND_V, DestLayout, HeadPlan
 from cake_sp.session.positions import BadPositionsCounter
@@ -79,7 +80,8 @@ class TorchFrontEndBackward:
     def __init__(self, gathered: Tensor, p: Tensor | None, plan: HeadPlan, *,
                  rope_cos_sin: Tensor, positions: Tensor | None,
                  q_norm_weight: Tensor | None, k_norm_weight: Tensor | None,
-                 qkv_bias: Tensor | None, eps: float, rope_style: int) -> None:
+                 qkv_bias: Tensor | None, eps: float, rope_style: int,
+                 dp: Tensor | None = None) -> None:
         self.num_rows = gathered.shape[0] * gathered.shape[1]
         self._plan, self._eps = plan, eps
         self._style = _style_name(rope_style)
@@ -87,8 +89,8 @@ class TorchFrontEndBackward:
         self._p, self._bias = p, qkv_bias
         self._weights = {KIND_Q: q_norm_weight, KIND_K: k_norm_weight}
         self._cos_sin, _ = _cos_sin_rows(rope_cos_sin, positions, self.num_rows)
-        self.dp = torch.empty(self.num_rows, plan.total_heads * plan.head_dim,
-                              dtype=torch.bfloat16, device=gathered.device)
+        # ``p`` may be a view of ``dp``: ``rows`` reads a chunk's p before it writes its dp.
+        self.dp = dp_buffer(dp, self.num_rows, plan, gathered.device)
         self._dw = {kind: torch.zeros(plan.head_dim, dtype=torch.float32,
                                       device=gathered.device) for kind in (KIND_Q, KIND_K)}
 

@@ -115,6 +115,18 @@ def _front_end_backward_kernel(g_ptr, p_ptr, bias_ptr, cos_sin_ptr, pos_ptr, q_n
     tl.store(dst, round_to_bf16(out, INTERPRET), mask=row_ok[:, None])
 
 
+def dp_buffer(dp: torch.Tensor | None, rows: int, plan: HeadPlan,
+              device: torch.device) -> torch.Tensor:
+    """``dp`` checked (bf16 ``[rows, (Hq + 2*Hkv) * D]``, contiguous), or a new one."""
+    shape = (rows, plan.total_heads * plan.head_dim)
+    if dp is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=device)
+    if tuple(dp.shape) != shape or dp.dtype != torch.bfloat16 or not dp.is_contiguous():
+        raise ValueError(f"front_end_backward: dp must be contiguous bf16 {list(shape)}, got "
+                         f"{dp.dtype} {tuple(dp.shape)}")
+    return dp
+
+
 class FrontEndBackward:
     """``dP`` and the norm-weight gradients of one backward call, filled row chunk by row chunk
     (each chunk as soon as its gathered rows have arrived).
@@ -134,7 +146,8 @@ class FrontEndBackward:
     def __init__(self, gathered: torch.Tensor, p: torch.Tensor | None, plan: HeadPlan, *,
                  rope_cos_sin: torch.Tensor, positions: torch.Tensor | None,
                  q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
-                 qkv_bias: torch.Tensor | None, eps: float, rope_style: int) -> None:
+                 qkv_bias: torch.Tensor | None, eps: float, rope_style: int,
+                 dp: torch.Tensor | None = None) -> None:
         self.num_rows = gathered.shape[0] * gathered.shape[1]
         d = plan.head_dim
         qk_heads = plan.num_q_heads + plan.num_kv_heads
@@ -153,8 +166,7 @@ class FrontEndBackward:
         self._plan, self._q_norm, self._k_norm = plan, q_norm_weight, k_norm_weight
         self._block_m = _config.FRONT_END_BACKWARD_BLOCK_M
         device = gathered.device
-        self.dp = torch.empty(self.num_rows, plan.total_heads * d, dtype=torch.bfloat16,
-                              device=device)
+        self.dp = dp_buffer(dp, self.num_rows, plan, device)
         self._dw = torch.empty(triton.cdiv(self.num_rows, self._block_m), qk_heads, d,
                                dtype=torch.float32, device=device)
         self._args = (gathered, p, qkv_bias, rope_cos_sin, positions, q_norm_weight,

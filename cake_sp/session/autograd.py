@@ -45,18 +45,20 @@ from cake_sp.session.slots import CallInputs, SlotLease
 from cake_sp.session.tickets import issue, redeem
 
 
-def _qk_projection(call: CallInputs, plan: HeadPlan) -> Tensor | None:
+def _qk_projection(call: CallInputs, plan: HeadPlan, dp: Tensor) -> Tensor | None:
     """The projection of the Q/K heads without the bias, bf16 ``[rows, (Hq + Hkv) * D]``
     (recomputed rather than kept; only the norm backward reads it), or None without a norm
-    weight."""
+    weight.  Written into the first columns of ``dp``, the backward's ``dP`` buffer, which the
+    norm backward overwrites tile by tile after reading them: no buffer of its own."""
     if call.q_norm_weight is None and call.k_norm_weight is None:
         return None
-    qk_rows = (plan.num_q_heads + plan.num_kv_heads) * plan.head_dim
-    return call.x2d @ call.qkv_weight[:qk_rows].T
+    qk_cols = (plan.num_q_heads + plan.num_kv_heads) * plan.head_dim
+    return torch.matmul(call.x2d, call.qkv_weight[:qk_cols].T, out=dp[:, :qk_cols])
 
 
-def _front_end_grads(exchange, pending, p: Tensor | None, call: CallInputs, plan: HeadPlan, *,
-                     eps: float, rope_style: int) -> tuple[Tensor | None, ...]:
+def _front_end_grads(exchange, pending, p: Tensor | None, dp: Tensor, call: CallInputs,
+                     plan: HeadPlan, *, eps: float, rope_style: int
+                     ) -> tuple[Tensor | None, ...]:
     """``(dx, dW_qkv, d_bias, d_q_norm, d_k_norm)`` from the gathered output gradients (the
     call ``pending`` of ``exchange``, ``[B, S_local, W, heads_per_rank, D]``) and the Q/K
     projection ``p`` (without the bias).
@@ -70,8 +72,7 @@ def _front_end_grads(exchange, pending, p: Tensor | None, call: CallInputs, plan
         exchange.output(pending), p, plan, rope_cos_sin=call.rope_cos_sin,
         positions=call.positions, q_norm_weight=call.q_norm_weight,
         k_norm_weight=call.k_norm_weight, qkv_bias=call.qkv_bias, eps=eps,
-        rope_style=rope_style)
-    dp = backward.dp
+        rope_style=rope_style, dp=dp)
     dx = torch.empty_like(call.x2d)
     for first, n in exchange.row_chunks(call.rows):
         exchange.wait(pending, first, n)
@@ -114,10 +115,13 @@ def front_end_backward(session, call: CallInputs, grads: Sequence[Tensor],
     pending = exchange.send(parts, batch=call.batch, seq_local=call.seq_local)
     # While the gradients travel (the NCCL path's collective is asynchronous; on NVLink
     # the peers push into this rank's slot), recompute what the norm backward needs.
-    p = projection if projection is not None else _qk_projection(call, session.plan)
+    plan = session.plan
+    dp = torch.empty(call.rows, plan.total_heads * plan.head_dim, dtype=torch.bfloat16,
+                     device=call.x2d.device)
+    p = projection if projection is not None else _qk_projection(call, plan, dp)
     lease.release()
     dx, dw, db, dqn, dkn = _front_end_grads(
-        exchange, pending, p, call, session.plan, eps=float(session.config.eps),
+        exchange, pending, p, dp, call, plan, eps=float(session.config.eps),
         rope_style=rope_style_code(session.config.rope_style))
     return dx.view(call.batch, call.seq_local, -1), dw, db, dqn, dkn
 

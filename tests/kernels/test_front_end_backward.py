@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cake_sp import reference
+from cake_sp.fallback.torch_front_end import TorchFrontEndBackward
 from cake_sp.kernels import _config
 from cake_sp.kernels.front_end_backward import FrontEndBackward
 from cake_sp.kernels.norm_rope import rope_style_code
@@ -100,3 +101,38 @@ def test_rows_must_start_on_a_row_block(device):
         backward.rows(1, 10)
     with pytest.raises(ValueError, match="lie in"):
         backward.rows(0, 41)
+
+
+@pytest.mark.parametrize("impl", [FrontEndBackward, TorchFrontEndBackward])
+def test_projection_read_in_place_from_the_dp_buffer(impl, device):
+    """``p`` written into the first columns of ``dp`` (how the layer recomputes it, to spare a
+    buffer) gives the same bits as a separate ``p``: every tile is read before it is
+    overwritten."""
+    g = torch.Generator().manual_seed(11)
+    world, hq, hkv, d, rows = 2, 4, 2, 64, 70
+    plan = HeadPlan(world, hq, hkv, d)
+    qk_cols = (hq + hkv) * d
+    gathered = torch.randn(1, rows, world, plan.heads_per_rank, d, generator=g).bfloat16()
+    p = torch.randn(rows, qk_cols, generator=g).bfloat16()
+    qn, kn = [(1 + 0.3 * torch.randn(d, generator=g)).bfloat16() for _ in range(2)]
+    angles = torch.rand(rows, d // 2, generator=g) * 6.0
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1)
+
+    def run(in_place):
+        dp = torch.full((rows, plan.total_heads * d), float("nan"), dtype=torch.bfloat16,
+                        device=device)
+        proj = p.to(device)
+        if in_place:
+            dp[:, :qk_cols] = proj
+            proj = dp[:, :qk_cols]
+        backward = impl(gathered.to(device), proj, plan, rope_cos_sin=cos_sin.to(device),
+                        positions=None, q_norm_weight=qn.to(device), k_norm_weight=kn.to(device),
+                        qkv_bias=None, eps=EPS, rope_style=rope_style_code("neox"), dp=dp)
+        assert backward.dp is dp
+        block = _config.FRONT_END_BACKWARD_BLOCK_M
+        backward.rows(0, block)
+        backward.rows(block, rows - block)
+        return dp.cpu(), *[t.cpu() for t in backward.norm_weight_grads()]
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b)
