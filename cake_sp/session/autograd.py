@@ -17,9 +17,10 @@ What each saves (per layer call on one rank, ``rows = B * S_local``):
   activation checkpointing it ends with the forward, and the recomputed forward
   takes its own).  The projection of the Q/K heads, which only the norm backward
   reads, is by default recomputed in the backward (one bf16 GEMM of ``rows x (Hq +
-  Hkv) * D x hidden``, only with a QK norm); with the session's ``save_projection``
-  the forward's fp32 projection of every head is kept instead (``rows * (Hq +
-  2 * Hkv) * D * 4`` bytes until the backward; the cuBLAS engine writes it anyway).
+  Hkv) * D x hidden``, only with a QK norm, written into the ``dP`` buffer); with the
+  session's ``save_projection`` the forward's fp32 projection of every head is kept
+  instead (``rows * (Hq + 2 * Hkv) * D * 4`` bytes until the backward; the cuBLAS engine
+  writes it anyway).
 * output: the token-order ``o`` (``rows * Hq * D`` bf16), a view of the gather's
   receive slot, saved and leased likewise.
 
