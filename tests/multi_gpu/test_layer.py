@@ -183,7 +183,7 @@ def _compiled_steps(ctx, model, problem, shape_dy, backends, steps=3):
         fn = model if backend == "eager" else torch.compile(model, backend=backend,
                                                             fullgraph=True)
         for _ in range(steps):
-            x = problem.xs[ctx.rank].to(ctx.device).requires_grad_(True)
+            x = problem.xs[ctx.rank].to(ctx.device).clone().requires_grad_(True)
             y = fn(x)
             y.backward(shape_dy(y))
             grads = [x.grad] + [p.grad for p in params]
@@ -225,7 +225,8 @@ def case_torch_compile_fullgraph(ctx):
     """``torch.compile(fullgraph=True)`` of a module around the layer and of one around its
     session: no graph break (the exchange steps are custom operators); with ``aot_eager``
     forward and backward equal to eager bit for bit, with ``inductor`` within bf16 noise;
-    compiled steps beyond ``num_slots`` and compiled calls without grad leave no lease."""
+    compiled steps beyond ``num_slots`` and compiled calls without grad leave no lease; two
+    compiled checkpointed forwards run on the one slot."""
     hq, hkv = _heads(ctx.world_size, "gqa_split")
     layer = _build(ctx, hq, hkv, qkv_bias=True, o_bias=True)
     problem = make_layer_problem(61, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
@@ -261,7 +262,28 @@ def case_torch_compile_fullgraph(ctx):
                 report[f"{name}_inductor_errors"] = [relative_error(got_y, want_y)] + [
                     relative_error(b, a) for a, b in zip(want_grads, got_grads, strict=True)
                     if a is not None]
+        report["checkpointed_compiled_equal"] = _two_checkpointed_forwards_compiled(
+            ctx, layer, problem, table)
     return report
+
+
+def _two_checkpointed_forwards_compiled(ctx, layer, problem, table) -> bool:
+    """Two checkpointed forwards in flight on the layer's one slot, compiled (aot_eager)
+    against eager: the same gradients, bit for bit."""
+    def model(x):
+        return checkpoint(layer, x, table, use_reentrant=False)
+
+    def grads(fn):
+        xs = [problem.xs[ctx.rank].to(ctx.device).clone().requires_grad_(True) for _ in range(2)]
+        for y in [fn(x) for x in xs]:
+            y.backward(problem.dys[ctx.rank].to(ctx.device))
+        out = [x.grad for x in xs] + [p.grad for p in layer.parameters()]
+        layer.zero_grad(set_to_none=True)
+        return out
+
+    want = grads(model)
+    got = grads(torch.compile(model, backend="aot_eager", fullgraph=True))
+    return all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
 def case_checkpoint_and_inference(ctx):
@@ -548,9 +570,10 @@ def _check_compile(world, name, per_rank) -> str:
                 assert err <= FORWARD_RTOL, report
         # x and every parameter (the session's module: x and the front end's four)
         assert (report["layer_grads"], report["session_grads"]) == (9, 5), report
+        assert report["checkpointed_compiled_equal"], report
     inductor = "inductor" in per_rank[0]["backends"]
-    return ("fullgraph, no graph break; aot_eager bit-equal to eager"
-            + ("; inductor within bf16 noise" if inductor else ""))
+    return ("fullgraph, no graph break; aot_eager bit-equal to eager, also two checkpointed "
+            "forwards on one slot" + ("; inductor within bf16 noise" if inductor else ""))
 
 
 def _check_bad_arguments(world, name, per_rank) -> str:
