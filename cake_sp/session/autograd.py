@@ -42,8 +42,8 @@ from cake_sp.kernels import _config
 from cake_sp.kernels.front_end_backward import FrontEndBackward
 from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.layouts import HeadPlan
+from cake_sp.session import tickets
 from cake_sp.session.slots import CallInputs, SlotLease
-from cake_sp.session.tickets import issue, redeem
 
 
 def _qk_projection(call: CallInputs, plan: HeadPlan, dp: Tensor) -> Tensor | None:
@@ -104,10 +104,12 @@ def front_end_forward(session, call: CallInputs, *, for_backward: bool
 
 
 def front_end_backward(session, call: CallInputs, grads: Sequence[Tensor],
-                       projection: Tensor | None, lease: SlotLease) -> tuple[Tensor | None, ...]:
+                       projection: Tensor | None, lease: SlotLease | None
+                       ) -> tuple[Tensor | None, ...]:
     """``(dx [B, S_local, hidden], dW_qkv, d_bias, d_q_norm, d_k_norm)`` of one call from the
     gradients of its outputs (``(dq, dk, dv)``, or one fused tensor); releases ``lease`` (the
-    forward's slot) once nothing reads it any more.  Collective, like the forward."""
+    forward's slot; None when it already ended with its ticket) once nothing reads it any
+    more.  Collective, like the forward."""
     d = session.plan.head_dim
     if len(grads) == 1:  # one [B, S_global, H, 3D] tensor: q | k | v per head
         grads = tuple(grads[0][..., i * d:(i + 1) * d] for i in range(3))
@@ -120,7 +122,8 @@ def front_end_backward(session, call: CallInputs, grads: Sequence[Tensor],
     dp = torch.empty(call.rows, plan.total_heads * plan.head_dim, dtype=torch.bfloat16,
                      device=call.x2d.device)
     p = projection if projection is not None else _qk_projection(call, plan, dp)
-    lease.release()
+    if lease is not None:
+        lease.release()
     dx, dw, db, dqn, dkn = _front_end_grads(
         exchange, pending, p, dp, call, plan, eps=float(session.config.eps),
         rope_style=rope_style_code(session.config.rope_style))
@@ -154,11 +157,12 @@ def output_projection_forward(gather, o_band: Tensor, o_weight: Tensor | None,
 
 
 def output_projection_backward(scatter, dy: Tensor, o_weight: Tensor | None, o_tokens: Tensor,
-                               lease: SlotLease, *, weight_grad: bool, bias_grad: bool
+                               lease: SlotLease | None, *, weight_grad: bool, bias_grad: bool
                                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``(d_o_band, dW_o, d_bias)`` from ``dy [B, S_local, out]``: ``d_o = dy @ W_o`` scattered
     by heads back to the band owners (``d_o_band``, a view of the scatter's slot), ``dW_o =
-    dy^T @ o_tokens``; releases ``lease`` (the forward's gather slot).  Collective."""
+    dy^T @ o_tokens``; releases ``lease`` (the forward's gather slot; None when it already
+    ended with its ticket).  Collective."""
     batch, seq_local = dy.shape[:2]
     dy2d = dy.reshape(batch * seq_local, -1).to(torch.bfloat16)
     d_tokens = dy2d if o_weight is None else dy2d @ o_weight
@@ -168,9 +172,17 @@ def output_projection_backward(scatter, dy: Tensor, o_weight: Tensor | None, o_t
                            batch=batch, seq_local=seq_local)
     dw = dy2d.T @ o_tokens if o_weight is not None and weight_grad else None
     db = dy2d.float().sum(dim=0).to(dy2d.dtype) if o_weight is not None and bias_grad else None
-    lease.release()
+    if lease is not None:
+        lease.release()
     scatter.wait(pending)
     return scatter.output(pending), dw, db
+
+
+def _lease_of(ticket: Tensor) -> SlotLease | None:
+    """The slot lease a saved ticket holds, or None if it ended with the original ticket (a
+    saved-tensor hook dropped or copied it; the backward then reads only saved tensors)."""
+    found = tickets.state(ticket)
+    return None if found is None else found.lease
 
 
 class FrontEndFunction(torch.autograd.Function):
@@ -184,16 +196,15 @@ class FrontEndFunction(torch.autograd.Function):
         views, slot, projection = front_end_forward(session, call, for_backward=True)
         # Saved, not kept on ctx: activation checkpointing drops them (and the lease with the
         # ticket) after the forward, and its recomputed forward saves its own.
-        ctx.save_for_backward(issue(lease=session._impl.slots.lease(slot)), projection)
+        ctx.save_for_backward(tickets.issue(lease=session._impl.slots.lease(slot)), projection)
         ctx.session, ctx.call = session, call
         return tuple(views)
 
     @staticmethod
     def backward(ctx, *grads):
         ticket, projection = ctx.saved_tensors
-        state = redeem(ticket, "front end backward")
         dx, dw, db, dqn, dkn = front_end_backward(ctx.session, ctx.call, grads, projection,
-                                                  state.lease)
+                                                  _lease_of(ticket))
         needs = ctx.needs_input_grad
         return (None, None, dx if needs[2] else None, dw if needs[3] else None,
                 db if needs[4] else None, dqn if needs[5] else None, dkn if needs[6] else None)
@@ -210,15 +221,14 @@ class OutputProjectionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gather, scatter, o_band, o_weight, o_bias):
         y, o_tokens, lease = output_projection_forward(gather, o_band, o_weight, o_bias)
-        ctx.save_for_backward(o_weight, o_tokens, issue(lease=lease))
+        ctx.save_for_backward(o_weight, o_tokens, tickets.issue(lease=lease))
         ctx.scatter = scatter
         return y
 
     @staticmethod
     def backward(ctx, dy):
         o_weight, o_tokens, ticket = ctx.saved_tensors
-        state = redeem(ticket, "output projection backward")
         d_o, dw, db = output_projection_backward(
-            ctx.scatter, dy, o_weight, o_tokens, state.lease,
+            ctx.scatter, dy, o_weight, o_tokens, _lease_of(ticket),
             weight_grad=ctx.needs_input_grad[3], bias_grad=ctx.needs_input_grad[4])
         return None, None, d_o, dw, db

@@ -10,6 +10,11 @@ it and no longer:
 * dropped right after the forward under non-reentrant activation checkpointing,
   whose pack hook keeps no saved tensor (the recomputed forward issues its own), so a
   checkpointed layer holds no slot between its forward and its backward;
+* dropped likewise under saved-tensor hooks that copy what they save (offloading, such
+  as ``torch.autograd.graph.save_on_cpu``): the copy keeps the key, not the state, and
+  the backward reads its own copies of the slot's views, not the slot (``state`` is then
+  None).  A hook that copied the ticket but kept views of the slot itself would let a
+  later call overwrite them: hooks that treat every saved tensor alike are safe;
 * carried through ``torch.compile`` like any saved tensor (``session/ops.py``), where
   an autograd context's Python attributes would be frozen at trace time.
 """
@@ -41,10 +46,16 @@ def issue(**state) -> Tensor:
     return tensor
 
 
+def state(ticket: Tensor) -> _Ticket | None:
+    """The state behind ``ticket``, or None once the original ticket is gone (a copy keeps
+    only the key)."""
+    return _LIVE.get(int(ticket[0]))
+
+
 def redeem(ticket: Tensor, what: str) -> _Ticket:
     """The state behind ``ticket``; ``RuntimeError`` naming ``what`` if it is gone or empty."""
-    state = _LIVE.get(int(ticket[0]))
-    if state is None or not state.__dict__:
+    found = state(ticket)
+    if found is None or not found.__dict__:
         raise RuntimeError(f"{what}: the forward's state for this backward is gone (was the "
                            "forward run without grad?)")
-    return state
+    return found

@@ -318,6 +318,18 @@ def case_checkpoint_and_inference(ctx):
         report["two_checkpointed_in_flight_equal"] = (
             torch.equal(x.grad, plain[0]) and torch.equal(x2.grad, plain[0])
             and all(torch.equal(p.grad, 2 * g) for p, g in zip(layer.parameters(), plain[1:])))
+        # Saved-tensor hooks that copy what they save (offloading, as save_on_cpu does): the
+        # copies hold the backward's data, the slot is free after the forward, and two
+        # forwards in flight on one slot still give each its own gradients.
+        x.grad = x2.grad = None
+        layer.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+            ys = [layer(xi, table) for xi in (x, x2)]
+        for y in ys:
+            y.backward(problem.dys[r].to(dev))
+        report["two_offloaded_in_flight_equal"] = (
+            torch.equal(x.grad, plain[0]) and torch.equal(x2.grad, plain[0])
+            and all(torch.equal(p.grad, 2 * g) for p, g in zip(layer.parameters(), plain[1:])))
         with torch.no_grad():
             outs = [layer(x, table) for _ in range(3)]
         with torch.inference_mode():
@@ -545,8 +557,10 @@ def _check_checkpoint(world, name, per_rank) -> str:
     assert all(r["checkpoint_equal"] and r["inference_equal"] for r in per_rank)
     assert all(r["backward_shared"] and r["second_layer_equal"] for r in per_rank)
     assert all(r["two_checkpointed_in_flight_equal"] for r in per_rank)
-    return ("checkpointed gradients equal, also two checkpointed forwards in flight on one "
-            "slot; inference calls equal; a second layer shares the backward's exchanges")
+    assert all(r["two_offloaded_in_flight_equal"] for r in per_rank)
+    return ("checkpointed gradients equal, also two checkpointed (or offloaded) forwards in "
+            "flight on one slot; inference calls equal; a second layer shares the backward's "
+            "exchanges")
 
 
 def _check_graph_and_calls(world, name, per_rank) -> str:
