@@ -212,19 +212,10 @@ def fused_qk_rmsnorm_rope_append_paged_kv_cache(
     TypeError, ValueError
         On a wrong dtype, shape, device, layout or option, before any allocation.
 
-    Under ``torch.compile`` the call is the custom operator
-    ``cake_sp::qk_rmsnorm_rope_append_paged_kv_cache`` (below), which mutates the caches
-    and the outputs; the checks run when it runs.
+    Under ``torch.compile`` the checks and ``out_q``'s allocation are traced and the launch
+    is the custom operator ``cake_sp::qk_rmsnorm_rope_append_paged_kv_cache`` (below), which
+    mutates the caches and the outputs.
     """
-    if torch.compiler.is_compiling():
-        if out_q is None:
-            out_q = qkv.new_empty((qkv.shape[0], num_q_heads, key_cache.shape[-1]))
-        torch.ops.cake_sp.qk_rmsnorm_rope_append_paged_kv_cache(
-            qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache, value_cache, out_q,
-            out_k, out_v, q_norm_weight, k_norm_weight, error_flags, num_q_heads,
-            num_kv_heads, qk_norm_policy, eps, rope_style, kv_layout,
-            clear_unused_last_page_rows)
-        return out_q
     num_tokens, num_req, head_dim, page_size = _check_qk_rope_append_inputs(
         qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache, value_cache, num_q_heads,
         num_kv_heads, qk_norm_policy, q_norm_weight, k_norm_weight, rope_style, kv_layout,
@@ -232,6 +223,13 @@ def fused_qk_rmsnorm_rope_append_paged_kv_cache(
     if out_q is None:
         out_q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=torch.bfloat16,
                             device=qkv.device)
+    if torch.compiler.is_compiling():  # the launch as one custom operator (below)
+        torch.ops.cake_sp.qk_rmsnorm_rope_append_paged_kv_cache(
+            qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache, value_cache, out_q,
+            out_k, out_v, q_norm_weight, k_norm_weight, error_flags, num_q_heads,
+            num_kv_heads, qk_norm_policy, eps, rope_style, kv_layout,
+            clear_unused_last_page_rows)
+        return out_q
     qk_rope_append_fwd(qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache, value_cache,
                        out_q, out_k, out_v, q_norm_weight, k_norm_weight, error_flags,
                        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,

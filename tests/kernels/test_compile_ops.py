@@ -92,3 +92,21 @@ def test_fmha_compiles_whole(device, op):
 
     breaks, same = _compiled_equals_eager(fn, list(make_call(case, device, seed=1).values()))
     assert breaks == 0 and same
+
+
+def test_compiled_append_names_a_bad_argument(device):
+    """The checks are traced: a bad argument raises the eager call's error while compiling
+    (under ``fullgraph=True`` Dynamo reports it inside its own ``Unsupported`` error)."""
+    case = Case(new=[2], prefix=[1], page_size=4, num_q_heads=2, num_kv_heads=1, head_dim=64)
+    qkv, cos_sin, seq_lens, q_indptr, pages, k_cache, v_cache, _, _ = _append_inputs(
+        device, case, "bf16")
+
+    def fn(qkv):
+        return fused_qk_rmsnorm_rope_append_paged_kv_cache(
+            qkv, cos_sin, seq_lens, q_indptr, pages, k_cache, v_cache, num_q_heads=2,
+            num_kv_heads=2)
+
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        torch.compile(fn, backend="aot_eager")(qkv)
+    with pytest.raises(Exception, match=r"num_kv_heads \(2\) must match"):
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(qkv)
