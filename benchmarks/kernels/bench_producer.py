@@ -120,15 +120,19 @@ def dest_views(p: dict, rank: int, rows: int) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- arms
 
 
+def _launch_arm(p: dict, launch: Callable, **options) -> Callable[[], None]:
+    """One call of a producer launcher (either engine) on problem ``p``."""
+    def run():
+        launch(p["x"], p["weight"], p["bias"], p["q_norm"], p["k_norm"], p["cos_sin"], None,
+               plan=p["plan"], dest=p["dest"], dest_table=p["table"], seq_local=p["rows"],
+               dest_seq_offset=0, eps=EPS, rope_style=p["rope_style"], **options)
+    return run
+
+
 def producer_arm(p: dict, mainloop: str | None) -> Callable[[], None]:
     from cake_sp.kernels.producer import qkv_norm_rope_produce
 
-    def run():
-        qkv_norm_rope_produce(
-            p["x"], p["weight"], p["bias"], p["q_norm"], p["k_norm"], p["cos_sin"], None,
-            plan=p["plan"], dest=p["dest"], dest_table=p["table"], seq_local=p["rows"],
-            dest_seq_offset=0, eps=EPS, rope_style=p["rope_style"], mainloop=mainloop)
-    return run
+    return _launch_arm(p, qkv_norm_rope_produce, mainloop=mainloop)
 
 
 def _producer_arm_names(mainloops: list[str | None]) -> list[str]:
@@ -140,13 +144,7 @@ def cublas_engine_arm(p: dict) -> Callable[[], None]:
 
     workspace = torch.empty(p["rows"], p["weight"].shape[0], dtype=torch.float32,
                             device=p["x"].device)
-
-    def run():
-        qkv_norm_rope_produce_cublas(
-            p["x"], p["weight"], p["bias"], p["q_norm"], p["k_norm"], p["cos_sin"], None,
-            plan=p["plan"], dest=p["dest"], dest_table=p["table"], seq_local=p["rows"],
-            dest_seq_offset=0, eps=EPS, rope_style=p["rope_style"], workspace=workspace)
-    return run
+    return _launch_arm(p, qkv_norm_rope_produce_cublas, workspace=workspace)
 
 
 def cublas_fp32_arm(p: dict) -> Callable[[], None]:

@@ -81,13 +81,12 @@ def _front_end(handle: int, x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | No
     session = _lookup(handle)
     call = session._check_call_inputs(x, qkv_weight, q_norm_weight, k_norm_weight,
                                       rope_cos_sin, positions, qkv_bias)
-    if not for_backward:
-        _, slot, _ = front_end_forward(session, call, for_backward=False)
-        return session._impl.slots.buffer(slot), issue()
-    session.grad_exchange()  # built here, in a forward every rank makes alike
-    _, slot, projection = front_end_forward(session, call, for_backward=True)
-    return session._impl.slots.buffer(slot), issue(lease=session._impl.slots.lease(slot),
-                                                    projection=projection)
+    if for_backward:
+        session.grad_exchange()  # built here, in a forward every rank makes alike
+    _, slot, projection = front_end_forward(session, call, for_backward=for_backward)
+    slots = session._impl.slots
+    state = dict(lease=slots.lease(slot), projection=projection) if for_backward else {}
+    return slots.buffer(slot), issue(**state)
 
 
 @_front_end.register_fake
@@ -166,8 +165,7 @@ def _output_projection(handle: int, o_band: Tensor, o_weight: Tensor | None,
     y, o_tokens, lease = output_projection_forward(layer._gather, o_band, o_weight, o_bias)
     if not for_backward:
         lease.release()
-        return y, issue()
-    return y, issue(lease=lease, o_tokens=o_tokens)
+    return y, issue(**(dict(lease=lease, o_tokens=o_tokens) if for_backward else {}))
 
 
 @_output_projection.register_fake
