@@ -10,7 +10,9 @@
 # CAKE_SP_TEST_CALLS / CAKE_SP_TEST_CASES the back-to-back call count and a subset of the
 # cases, see tests/multi_gpu/test_session.py), demo (one rank, NCCL path),
 # sanitizer (compute-sanitizer memcheck + racecheck on the in-process NVLink protocol),
-# bench-producer, bench-append, bench-fmha, bench-comm (the comm benchmark with ranks sharing GPU 0;
+# bench-producer, bench-append, anchor-append (FlashInfer's append kernels beside ours, from a
+# copy of that measuring tool in ANCHOR_DIR, default .anchors/flashinfer_append), bench-fmha,
+# bench-comm (the comm benchmark with ranks sharing GPU 0;
 # BENCH_COMM_ARGS replaces its --rows), bench-smoke-shared (the comm benchmark's smoke test on GPU 0
 # shared by two ranks, with the check that a rank delayed on the host is kept out of the times),
 # kernels-band (the band push with virtual ranks), layer-shared (UlyssesAttention with W = 2, 4
@@ -128,6 +130,11 @@ run_named() {
                             --json "$OUT/bench_producer.json" ${BENCH_PRODUCER_ARGS:-} ;;
         bench-append) run_stage bench-append $PY benchmarks/kernels/bench_qk_rope_append.py \
                           --json "$OUT/bench_append.json" ;;
+        anchor-append)
+            # FlashInfer's own append kernels built and timed beside ours (a copy of the
+            # measuring tool in ANCHOR_DIR; ANCHOR_ARGS pass through, e.g. "--op bf16").
+            run_stage anchor-append env CAKE_SP_ROOT="$PWD" OUT="$OUT/anchor" \
+                bash "${ANCHOR_DIR:-.anchors/flashinfer_append}/run.sh" ${ANCHOR_ARGS:-} ;;
         bench-fmha) run_stage bench-fmha $PY benchmarks/kernels/bench_fmha.py \
                         --json "$OUT/bench_fmha.json" ;;
         bench-layer) run_stage bench-layer torchrun --standalone --nproc-per-node=1 \

@@ -146,25 +146,51 @@ PRODUCER_WS_LOADER_REGS: int = 40
 PRODUCER_WS_GROUP_HEADS: int = 8
 
 # -- paged KV-cache append (qk_rope_append.py, qk_rope_fp8_append.py) --
-# Every program scans q_indptr itself; a chunk of 128 int32 keeps that scan to
+# Every program scans q_indptr itself; a chunk of up to 128 int32 keeps that scan to
 # a few vector loads for serving batch sizes.
 APPEND_CHUNK_B: int = 128
 # Page-table entries one request program checks per step.
 APPEND_CHUNK_P: int = 64
-# Cache rows a request program zeroes per step when clearing a last page.
+# (row, kv head) pairs a request program zeroes per step when clearing a last page.
 APPEND_BLOCK_R: int = 16
-APPEND_NUM_WARPS: int = 4
+
+
+# Launch shapes of the append kernels, chosen on an H200 from a sweep over the rows of
+# the FlashInfer comparison (docs/results.md: block of 4/8/16 tokens x 1/2/4/8 warps,
+# clear shares of 16-256 pairs); each choice below was within 1-4 % (geometric mean) of
+# the best per row, where single samples vary by up to 10 %.
+# A tile program holds 1024 channels of one head: 8 tokens at D = 128.
+APPEND_TILE_CHANNELS: int = 1024
+# Up to this many (token, head) rows in the batch, 4 warps (8 values a thread: more
+# programs in flight for small decode batches); above it, 2 warps (16 a thread).
+APPEND_SMALL_BATCH_ROWS: int = 4096
 
 
 def append_block_m(num_tokens: int, head_dim: int) -> int:
-    """Tokens per tile program: enough rows to amortise the metadata scan, but a
-    ``[BLOCK_M, D]`` fp32 tile of at most 4096 values (32 registers a thread at
-    4 warps), and no wider than the batch needs."""
-    cap = 4096 // head_dim
+    """Tokens per tile program: ``APPEND_TILE_CHANNELS / head_dim``, and no more than
+    the batch needs (a power of two)."""
+    cap = max(1, APPEND_TILE_CHANNELS // head_dim)
     block = 1
     while block < min(num_tokens, cap):
         block *= 2
     return block
+
+
+def append_num_warps(num_tokens: int, num_slots: int) -> int:
+    """Warps of every program of one append launch (``num_slots = Hq + 2 Hkv``)."""
+    return 4 if num_tokens * num_slots <= APPEND_SMALL_BATCH_ROWS else 2
+
+
+def append_clear_pairs(page_size: int, num_kv_heads: int) -> int:
+    """``(row, kv head)`` pairs of a last page one request program clears (a multiple of
+    ``APPEND_BLOCK_R``): a page's tail is split over ``ceil(page_size * Hkv / this)``
+    programs.  Pages under 64 rows leave short tails, and a share that finds no row
+    to clear still costs a program: one program takes up to 128 pairs.  Larger pages
+    leave long tails on average, spread in shares of 32 pairs (several kv heads) or
+    64 (one)."""
+    if page_size < 64:
+        return 128
+    return 32 if num_kv_heads > 1 else 64
 
 
 def producer_block_m(head_dim: int, mainloop: str | None = None) -> int:

@@ -111,15 +111,17 @@ def divide_rn(x, s, fast, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def rms_normalize(x, eps, D: tl.constexpr):
-    """``x * 1/sqrt(mean(x^2, -1) + eps)`` over the ``D`` columns of an fp32 tile.
+def inv_rms(sum_sq, eps, D: tl.constexpr):
+    """``1/sqrt(sum_sq / D + eps)`` per row, with IEEE-rounded sqrt and division
+    (not ``rsqrt.approx``) so that it matches ``torch.rsqrt`` in fp32; one value
+    per row, so the cost is nil."""
+    return tl.math.div_rn(1.0, tl.sqrt_rn(sum_sq / D + eps))
 
-    Uses IEEE-rounded sqrt and division (not ``rsqrt.approx``) so the result
-    matches ``torch.rsqrt`` in fp32; it is one value per row, so the cost is nil.
-    """
-    mean_sq = tl.sum(x * x, axis=1) / D
-    inv_rms = tl.math.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
-    return x * inv_rms[:, None]
+
+@triton.jit
+def rms_normalize(x, eps, D: tl.constexpr):
+    """``x * 1/sqrt(mean(x^2, -1) + eps)`` over the ``D`` columns of an fp32 tile."""
+    return x * inv_rms(tl.sum(x * x, axis=1), eps, D)[:, None]
 
 
 @triton.jit
@@ -133,6 +135,12 @@ def load_cos_sin(cos_sin_ptr, rows, row_stride, mask, half_cols, D: tl.constexpr
     cos = tl.load(ptrs, mask=mask[:, None], other=0.0)
     sin = tl.load(ptrs + D // 2, mask=mask[:, None], other=0.0)
     return cos, sin
+
+
+@triton.jit
+def rotate_pairs(a, b, cos, sin):
+    """Rotate channel pairs ``(a, b)`` by their angle: ``(a cos - b sin, b cos + a sin)``."""
+    return a * cos - b * sin, b * cos + a * sin
 
 
 @triton.jit
@@ -153,8 +161,7 @@ def rope_rotate(x, cos, sin, BLOCK_M: tl.constexpr, D: tl.constexpr, STYLE: tl.c
     if GLUON:
         cos = gl.convert_layout(cos, a.type.layout)
         sin = gl.convert_layout(sin, a.type.layout)
-    ra = a * cos - b * sin
-    rb = b * cos + a * sin
+    ra, rb = rotate_pairs(a, b, cos, sin)
     if STYLE == ROPE_INTERLEAVED:
         out = tl.reshape(tl.join(ra, rb), (BLOCK_M, D))
     else:
@@ -187,3 +194,64 @@ def qk_norm_rope(x, w_ptr, cos, sin, eps, POLICY: tl.constexpr, BLOCK_M: tl.cons
         w = tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)
         x = rms_normalize(x, eps, D) * w[None, :]
     return x
+
+
+# -- the same math on a head split into its column halves --
+# A head loaded as two [BLOCK_M, D/2] tiles, channels [0, D/2) and [D/2, D), keeps
+# every NeoX pair (i, i + D/2) in one thread: RoPE is elementwise, with no layout
+# change through shared memory (the paged-append kernels, whose tiles come from
+# loads, not from an MMA accumulator).
+
+
+@triton.jit
+def load_cos_sin_halves(cos_sin_ptr, rows, row_stride, mask, D: tl.constexpr,
+                        STYLE: tl.constexpr):
+    """``(cos_lo, sin_lo, cos_hi, sin_hi)`` of table ``rows`` (int64 ``[BLOCK_M]``) for
+    the two column halves of a head; masked rows read 0.
+
+    NeoX: both halves rotate by the ``D/2`` frequencies, ``[BLOCK_M, D/2]`` each
+    (the same tensors).  Interleaved: the low half's pairs take frequencies
+    ``[0, D/4)`` and the high half's ``[D/4, D/2)``, ``[BLOCK_M, D/4]`` each.
+    """
+    base = cos_sin_ptr + rows[:, None] * row_stride
+    if STYLE == ROPE_NEOX:
+        i = tl.arange(0, D // 2)[None, :]
+        cos_lo = tl.load(base + i, mask=mask[:, None], other=0.0)
+        sin_lo = tl.load(base + D // 2 + i, mask=mask[:, None], other=0.0)
+        cos_hi = cos_lo
+        sin_hi = sin_lo
+    else:
+        i = tl.arange(0, D // 4)[None, :]
+        cos_lo = tl.load(base + i, mask=mask[:, None], other=0.0)
+        cos_hi = tl.load(base + D // 4 + i, mask=mask[:, None], other=0.0)
+        sin_lo = tl.load(base + D // 2 + i, mask=mask[:, None], other=0.0)
+        sin_hi = tl.load(base + D // 2 + D // 4 + i, mask=mask[:, None], other=0.0)
+    return cos_lo, sin_lo, cos_hi, sin_hi
+
+
+@triton.jit
+def rms_normalize_halves(lo, hi, w_ptr, eps, D: tl.constexpr):
+    """``rms_normalize(x) * w`` of a head given as its fp32 column halves."""
+    inv = inv_rms(tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1), eps, D)[:, None]
+    half = tl.arange(0, D // 2)
+    return (lo * inv * tl.load(w_ptr + half).to(tl.float32)[None, :],
+            hi * inv * tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :])
+
+
+@triton.jit
+def qk_norm_rope_halves(lo, hi, w_ptr, cos_lo, sin_lo, cos_hi, sin_hi, eps,
+                        POLICY: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+                        STYLE: tl.constexpr):
+    """``qk_norm_rope`` on a head given as its fp32 column halves ``lo``, ``hi``
+    (``[BLOCK_M, D/2]`` each) with ``load_cos_sin_halves``' tables; returns the two
+    halves of the result."""
+    if POLICY == QK_NORM_BEFORE_ROPE:
+        lo, hi = rms_normalize_halves(lo, hi, w_ptr, eps, D)
+    if STYLE == ROPE_NEOX:
+        lo, hi = rotate_pairs(lo, hi, cos_lo, sin_lo)
+    else:
+        lo = rope_rotate(lo, cos_lo, sin_lo, BLOCK_M, D // 2, STYLE)
+        hi = rope_rotate(hi, cos_hi, sin_hi, BLOCK_M, D // 2, STYLE)
+    if POLICY == QK_NORM_AFTER_ROPE:
+        lo, hi = rms_normalize_halves(lo, hi, w_ptr, eps, D)
+    return lo, hi

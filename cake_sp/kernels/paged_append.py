@@ -1,10 +1,12 @@
 """Paged KV-cache append: what the BF16 and FP8 append kernels share.
 
 Both kernels (``qk_rope_append.py``, ``qk_rope_fp8_append.py``) run one 1-D
-grid of two kinds of programs:
+grid of two kinds of programs (``launch_plan`` sizes it from ``_config``'s table):
 
-* a *request* program per ``(request b, kv head h)``: validates the metadata,
-  writes the request's status, and zeroes the unused rows of its last page;
+* *request* programs, ``CLEAR_PROGRAMS`` per request ``b``: each validates the
+  metadata and zeroes its share of the unused rows of ``b``'s last page (the
+  page's ``(row, kv head)`` pairs split in ``CLEAR_PAIRS``); share 0 also writes
+  the request's status;
 * a *tile* program per ``(BLOCK_M tokens, head slot)``: slot ``s`` is column
   block ``s`` of the packed ``qkv`` row, so slots ``[0, Hq)`` are Q heads,
   ``[Hq, Hq + Hkv)`` K heads and ``[Hq + Hkv, Hq + 2 Hkv)`` V heads.
@@ -21,6 +23,13 @@ host sync or a second launch.  Statuses (bit flags, ``ERR_*``) are computed
 from the metadata alone by the request programs, so no atomics are needed and
 a CUDA-graph replay rewrites them from scratch.
 
+The kernels are latency-bound at serving sizes, so a tile program keeps its
+chain of dependent loads to two: it reads its input rows first (they need no
+metadata), finds each token's request from one level of loads
+(``find_requests``: a direct look-up for decode batches, a scan otherwise),
+then reads the page table and the RoPE rows.  Heads are held as two column
+halves, so NeoX RoPE needs no exchange between threads.
+
 This module also holds the host-side checks common to both launchers.
 """
 
@@ -32,7 +41,7 @@ import triton.language as tl
 
 from cake_sp._validation import check_tensor, describe
 from cake_sp.kernels import _config
-from cake_sp.kernels.norm_rope import QK_NORM_POLICIES
+from cake_sp.kernels.norm_rope import QK_NORM_POLICIES, load_cos_sin_halves, qk_norm_rope_halves
 
 KV_LAYOUTS = ("NHD", "HND")
 HEAD_DIMS = (64, 128, 256)
@@ -54,89 +63,148 @@ _ERR_PAGE: tl.constexpr = tl.constexpr(ERR_PAGE)
 
 
 @triton.jit
-def scan_q_indptr(q_indptr_ptr, num_req, num_tokens, max_req_len, tok, BLOCK_M: tl.constexpr,
-                  CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr):
-    """Validate ``q_indptr`` and find the request of each token in ``tok``.
-
-    Returns ``(valid, req)``: ``valid`` is a scalar, true iff ``q_indptr[0] == 0``,
-    ``q_indptr[B] == T``, the table is non-decreasing and no request has more
-    than ``max_req_len`` tokens; ``req`` (int32 ``[BLOCK_M]``) is
-    ``#{j < B : q_indptr[j + 1] <= tok}``, the request holding each token when
-    the table is valid, clamped into ``[0, B)`` otherwise.
-    """
+def q_indptr_valid(q_indptr_ptr, num_req, num_tokens, max_req_len, CHUNK_B: tl.constexpr,
+                   NUM_B_CHUNKS: tl.constexpr):
+    """True iff ``q_indptr[0] == 0``, ``q_indptr[B] == T``, the table is
+    non-decreasing and no request has more than ``max_req_len`` tokens (a scalar)."""
     first = tl.load(q_indptr_ptr)
     last = tl.load(q_indptr_ptr + num_req)
     bad = (first != 0).to(tl.int32) + (last != num_tokens).to(tl.int32)
-    req = tl.zeros([BLOCK_M], dtype=tl.int32)
     for c in range(NUM_B_CHUNKS):
         j = c * CHUNK_B + tl.arange(0, CHUNK_B)
         m = j < num_req
         lo = tl.load(q_indptr_ptr + j, mask=m, other=0)
-        hi = tl.load(q_indptr_ptr + j + 1, mask=m, other=0)
-        n = hi - lo
+        n = tl.load(q_indptr_ptr + j + 1, mask=m, other=0) - lo
         bad += tl.sum((m & ((n < 0) | (n > max_req_len))).to(tl.int32), axis=0)
-        ends_before = m[None, :] & (hi[None, :] <= tok[:, None])
-        req += tl.sum(ends_before.to(tl.int32), axis=1)
-    return bad == 0, tl.minimum(req, num_req - 1)
+    return bad == 0
 
 
 @triton.jit
-def request_span(q_indptr_ptr, seq_lens_ptr, req, max_pos, max_pages, PAGE_SIZE: tl.constexpr):
-    """Token range and position check of requests ``req`` (scalar or vector).
+def find_requests(q_indptr_ptr, seq_lens_ptr, num_req, tok, live, BLOCK_M: tl.constexpr,
+                  CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr):
+    """The request holding each token of ``tok`` (int32 ``[BLOCK_M]``; ``live``
+    masks the tokens that exist), found with no load waiting on another.
 
-    Returns ``(start, n, seq_len, pos_ok)``: the request's first token, its token
-    count, its length after the append, and whether all of its positions
-    ``[seq_len - n, seq_len)`` index the ``cos_sin`` table (``< max_pos``) and
-    the page table (``< max_pages * PAGE_SIZE``).
+    Returns int32 ``[BLOCK_M]`` vectors ``(req, start, end, seq_len)``: the
+    request's index, ``q_indptr[req]``, ``q_indptr[req + 1]`` and ``seq_lens[req]``;
+    exact for a valid table (``q_indptr_valid``), unspecified otherwise.
+
+    The first guess is request ``tok`` itself, which decode batches (one token
+    per request) always match: three gathers, no scan.  Only when a live token of
+    the tile falls outside its guess does the program scan the table, taking the
+    four values as masked sums over the one request whose range holds the token.
     """
-    start = tl.load(q_indptr_ptr + req)
-    n = tl.load(q_indptr_ptr + req + 1) - start
-    seq_len = tl.load(seq_lens_ptr + req)
+    guess = tl.minimum(tok, num_req - 1)
+    req = guess
+    start = tl.load(q_indptr_ptr + guess)
+    end = tl.load(q_indptr_ptr + guess + 1)
+    seq_len = tl.load(seq_lens_ptr + guess)
+    missed = tl.sum((live & ((tok < start) | (tok >= end))).to(tl.int32), axis=0)
+    if missed > 0:
+        req = tl.zeros([BLOCK_M], dtype=tl.int32)
+        start = tl.zeros([BLOCK_M], dtype=tl.int32)
+        end = tl.zeros([BLOCK_M], dtype=tl.int32)
+        seq_len = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for c in range(NUM_B_CHUNKS):
+            j = c * CHUNK_B + tl.arange(0, CHUNK_B)
+            m = j < num_req
+            lo = tl.load(q_indptr_ptr + j, mask=m, other=0)
+            hi = tl.load(q_indptr_ptr + j + 1, mask=m, other=0)
+            sl = tl.load(seq_lens_ptr + j, mask=m, other=0)
+            hit = m[None, :] & (lo[None, :] <= tok[:, None]) & (tok[:, None] < hi[None, :])
+            req += tl.sum(tl.where(hit, j[None, :], 0), axis=1)
+            start += tl.sum(tl.where(hit, lo[None, :], 0), axis=1)
+            end += tl.sum(tl.where(hit, hi[None, :], 0), axis=1)
+            seq_len += tl.sum(tl.where(hit, sl[None, :], 0), axis=1)
+    return req, start, end, seq_len
+
+
+@triton.jit
+def positions_in_range(n, seq_len, max_pos, max_pages, PAGE_SIZE: tl.constexpr):
+    """Whether the positions ``[seq_len - n, seq_len)`` of a request appending ``n``
+    tokens all index the ``cos_sin`` table (``< max_pos``) and the page table
+    (``< max_pages * PAGE_SIZE``); scalars or vectors."""
     # seq_len >= n >= 0 first, so that the division below never sees a negative value.
-    pos_ok = (seq_len >= n) & (seq_len <= max_pos) & (
+    return (seq_len >= n) & (seq_len <= max_pos) & (
         tl.maximum(seq_len - 1, 0) // PAGE_SIZE < max_pages)
-    return start, n, seq_len, pos_ok
 
 
 @triton.jit
-def token_targets(q_indptr_ptr, seq_lens_ptr, page_indices_ptr, stride_pi, tok, req, live,
-                  max_pos, max_pages, num_pages, PAGE_SIZE: tl.constexpr):
-    """Where each token of a tile goes.
+def tile_program(pid, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, num_tokens,
+                 num_req, max_req_len, max_pos, max_pages, num_pages, stride_qkv, stride_pi,
+                 NUM_SLOTS: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr):
+    """Tile program ``pid`` = ``block * NUM_SLOTS + slot``: tokens
+    ``[block * BLOCK_M, (block + 1) * BLOCK_M)`` of head slot ``slot``.
 
-    ``live`` masks the tokens that exist in a valid table.  Returns
-    ``(tok_ok, r, pos, page, row, page_ok)``: whether the token may be written
-    at all (its request's positions are in range), its index in its request,
-    its position (int64), its page and row, and whether that page is in
-    ``[0, num_pages)``.
+    Loads the tile's input first, as its two column halves ``x_lo``, ``x_hi``
+    (bf16 ``[BLOCK_M, D/2]``, channels ``[0, D/2)`` and ``[D/2, D)``: NeoX pairs
+    meet in one thread, no layout change), so that the loads overlap the
+    metadata reads; rows past ``T`` read 0.  Returns ``(slot, tok, req, r,
+    tok_ok, pos, page, row, page_ok, x_lo, x_hi)``: the token's request, its index
+    in it, whether it may be written at all (a valid table, its request's
+    positions in range), its position (int64), its page and row, and whether
+    that page is in ``[0, num_pages)``.
     """
-    start, n, seq_len, pos_ok = request_span(q_indptr_ptr, seq_lens_ptr, req, max_pos,
-                                             max_pages, PAGE_SIZE)
-    tok_ok = live & pos_ok
-    r = tok - start
-    pos = tl.where(tok_ok, r + seq_len - n, 0).to(tl.int64)
+    slot = pid % NUM_SLOTS
+    tok = (pid // NUM_SLOTS) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_batch = tok < num_tokens
+    src = (qkv_ptr + tok.to(tl.int64)[:, None] * stride_qkv + slot * D
+           + tl.arange(0, D // 2)[None, :])
+    x_lo = tl.load(src, mask=in_batch[:, None], other=0.0)
+    x_hi = tl.load(src + D // 2, mask=in_batch[:, None], other=0.0)
+    valid = q_indptr_valid(q_indptr_ptr, num_req, num_tokens, max_req_len, CHUNK_B,
+                           NUM_B_CHUNKS)
+    req, start, end, seq_len = find_requests(q_indptr_ptr, seq_lens_ptr, num_req, tok,
+                                             in_batch, BLOCK_M, CHUNK_B, NUM_B_CHUNKS)
+    tok_ok = valid & in_batch & positions_in_range(end - start, seq_len, max_pos, max_pages,
+                                                   PAGE_SIZE)
+    # pos = r + seq_len - n with r = tok - start and n = end - start.
+    pos = tl.where(tok_ok, tok + seq_len - end, 0).to(tl.int64)
     page = tl.load(page_indices_ptr + req.to(tl.int64) * stride_pi + pos // PAGE_SIZE,
                    mask=tok_ok, other=-1)
     page_ok = tok_ok & (page >= 0) & (page < num_pages)
-    return tok_ok, r, pos, page.to(tl.int64), pos % PAGE_SIZE, page_ok
+    return (slot, tok, req, tok - start, tok_ok, pos, page.to(tl.int64), pos % PAGE_SIZE,
+            page_ok, x_lo, x_hi)
 
 
 @triton.jit
-def store_kv_rows(cache_ptr, out_ptr, vals, tok, head, page, row, tok_ok, page_ok,
+def normalized_rotated_head(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr, stride_cs, q_norm_ptr,
+                            k_norm_ptr, eps, HQ: tl.constexpr, POLICY: tl.constexpr,
+                            BLOCK_M: tl.constexpr, D: tl.constexpr, STYLE: tl.constexpr):
+    """``qk_norm_rope`` of a Q (``slot < Hq``) or K tile from ``tile_program``: its
+    fp32 column halves, unrounded, with RoPE row ``pos`` and that head kind's norm
+    weights."""
+    cos_lo, sin_lo, cos_hi, sin_hi = load_cos_sin_halves(cos_sin_ptr, pos, stride_cs, tok_ok,
+                                                         D, STYLE)
+    if slot < HQ:
+        w_ptr = q_norm_ptr
+    else:
+        w_ptr = k_norm_ptr
+    return qk_norm_rope_halves(x_lo.to(tl.float32), x_hi.to(tl.float32), w_ptr, cos_lo,
+                               sin_lo, cos_hi, sin_hi, eps, POLICY, BLOCK_M, D, STYLE)
+
+
+@triton.jit
+def store_kv_rows(cache_ptr, out_ptr, lo, hi, tok, head, page, row, tok_ok, page_ok,
                   stride_cp, stride_cr, stride_ch, stride_ot, stride_oh,
                   D: tl.constexpr, TO_CACHE: tl.constexpr):
-    """Store a ``[BLOCK_M, D]`` K or V tile of kv head ``head``.
+    """Store a K or V tile of kv head ``head``, given as its column halves ``lo``,
+    ``hi`` (``[BLOCK_M, D/2]`` each, ``tile_program``).
 
     ``TO_CACHE``: into the paged cache at ``(page, row)`` of each token, skipping
     tokens whose page is out of range; otherwise into the caller's ``out``
     ``[T, Hkv, D]`` (no page involved, so only ``tok_ok`` gates the row).
     """
-    cols = tl.arange(0, D)[None, :]
+    cols = tl.arange(0, D // 2)[None, :]
     if TO_CACHE:
-        offs = page * stride_cp + row * stride_cr + head * stride_ch
-        tl.store(cache_ptr + offs[:, None] + cols, vals, mask=page_ok[:, None])
+        dst = cache_ptr + (page * stride_cp + row * stride_cr + head * stride_ch)[:, None] + cols
+        mask = page_ok[:, None]
     else:
-        offs = tok.to(tl.int64) * stride_ot + head * stride_oh
-        tl.store(out_ptr + offs[:, None] + cols, vals, mask=tok_ok[:, None])
+        dst = out_ptr + (tok.to(tl.int64) * stride_ot + head * stride_oh)[:, None] + cols
+        mask = tok_ok[:, None]
+    tl.store(dst, lo, mask=mask)
+    tl.store(dst + D // 2, hi, mask=mask)
 
 
 @triton.jit
@@ -155,8 +223,9 @@ def request_status(q_indptr_ptr, seq_lens_ptr, page_indices_ptr, stride_pi, b, v
     last row lies inside the page table, the request's appended positions (if any)
     are in range, and the page index is in ``[0, num_pages)``.
     """
-    start, n, seq_len, pos_ok = request_span(q_indptr_ptr, seq_lens_ptr, b, max_pos,
-                                             max_pages, PAGE_SIZE)
+    n = tl.load(q_indptr_ptr + b + 1) - tl.load(q_indptr_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    pos_ok = positions_in_range(n, seq_len, max_pos, max_pages, PAGE_SIZE)
     status = tl.where(valid, 0, _ERR_METADATA)
     status += tl.where(valid & (n > 0) & (~pos_ok), _ERR_POSITION, 0)
     writes = valid & (n > 0) & pos_ok
@@ -183,20 +252,25 @@ def request_status(q_indptr_ptr, seq_lens_ptr, page_indices_ptr, stride_pi, b, v
 
 
 @triton.jit
-def clear_rows(cache_ptr, page, head, row_start, stride_cp, stride_cr, stride_ch,
-               D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Zero rows ``[row_start, PAGE_SIZE)`` of kv head ``head`` in page ``page`` (none if -1).
+def clear_rows(cache_ptr, page, first_pair, row_start, stride_cp, stride_cr, stride_ch,
+               HKV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               BLOCK_R: tl.constexpr, CLEAR_PAIRS: tl.constexpr):
+    """Zero the ``(row, kv head)`` pairs ``[first_pair, first_pair + CLEAR_PAIRS)`` of
+    page ``page`` (pair ``i`` is row ``i // Hkv``, head ``i % Hkv``: the NHD order)
+    whose row is in ``[row_start, PAGE_SIZE)``; none if ``page`` is -1.
 
     Zero is the all-zero bit pattern in both bf16 and FP8 e4m3, so one helper
     serves both cache dtypes.
     """
     cols = tl.arange(0, D)[None, :]
     zeros = tl.zeros([BLOCK_R, D], dtype=cache_ptr.dtype.element_ty)
-    base = cache_ptr + page * stride_cp + head * stride_ch
-    for c in range((PAGE_SIZE + BLOCK_R - 1) // BLOCK_R):
-        rows = c * BLOCK_R + tl.arange(0, BLOCK_R)
-        m = (page >= 0) & (rows >= row_start) & (rows < PAGE_SIZE)
-        tl.store(base + rows.to(tl.int64)[:, None] * stride_cr + cols, zeros, mask=m[:, None])
+    base = cache_ptr + page * stride_cp
+    for c in range(CLEAR_PAIRS // BLOCK_R):
+        pair = first_pair + c * BLOCK_R + tl.arange(0, BLOCK_R)
+        row = pair // HKV
+        m = (page >= 0) & (row >= row_start) & (row < PAGE_SIZE)
+        offs = row.to(tl.int64) * stride_cr + (pair % HKV) * stride_ch
+        tl.store(base + offs[:, None] + cols, zeros, mask=m[:, None])
 
 
 @triton.jit
@@ -204,64 +278,57 @@ def request_program(pid, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_p
                     v_cache_ptr, error_flags_ptr, num_tokens, num_req, max_req_len, max_pos,
                     max_pages, num_pages, stride_pi, stride_cp, stride_cr, stride_ch,
                     HKV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr,
-                    CHUNK_P: tl.constexpr, NUM_P_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
+                    CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr, CHUNK_P: tl.constexpr,
+                    NUM_P_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
+                    CLEAR_PAIRS: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr,
                     CLEAR: tl.constexpr, HAS_ERROR_FLAGS: tl.constexpr):
-    """Request program ``pid`` = ``b * Hkv + h``: status of request ``b`` (written by
-    ``h == 0``), then zero the unused last-page rows of kv head ``h`` in both caches.
+    """Request program ``pid`` = ``b * CLEAR_PROGRAMS + c``: status of request ``b``
+    (written by ``c == 0``), then zero the unused last-page rows of its share
+    ``c`` of the page's ``(row, kv head)`` pairs in both caches.
 
-    Returns ``(b, h, valid)`` so that a kernel can add its own per-request outputs.
+    Returns ``(b, c, valid)`` so that a kernel can add its own per-request outputs.
     """
-    b = pid // HKV
-    h = pid % HKV
-    valid, _ = scan_q_indptr(q_indptr_ptr, num_req, num_tokens, max_req_len,
-                             tl.zeros([BLOCK_M], dtype=tl.int32), BLOCK_M, CHUNK_B, NUM_B_CHUNKS)
+    b = pid // CLEAR_PROGRAMS
+    c = pid % CLEAR_PROGRAMS
+    valid = q_indptr_valid(q_indptr_ptr, num_req, num_tokens, max_req_len, CHUNK_B,
+                           NUM_B_CHUNKS)
     status, last_page, tail_start = request_status(
         q_indptr_ptr, seq_lens_ptr, page_indices_ptr, stride_pi, b, valid,
-        h == 0, max_pos, max_pages, num_pages, PAGE_SIZE, CHUNK_P,
+        c == 0, max_pos, max_pages, num_pages, PAGE_SIZE, CHUNK_P,
         NUM_P_CHUNKS)
     if HAS_ERROR_FLAGS:
-        tl.store(error_flags_ptr + b, status, mask=h == 0)
+        tl.store(error_flags_ptr + b, status, mask=c == 0)
     if CLEAR:
-        clear_rows(k_cache_ptr, last_page, h, tail_start, stride_cp, stride_cr, stride_ch, D,
-                   PAGE_SIZE, BLOCK_R)
-        clear_rows(v_cache_ptr, last_page, h, tail_start, stride_cp, stride_cr, stride_ch, D,
-                   PAGE_SIZE, BLOCK_R)
-    return b, h, valid
+        first_pair = c * CLEAR_PAIRS
+        clear_rows(k_cache_ptr, last_page, first_pair, tail_start, stride_cp, stride_cr,
+                   stride_ch, HKV, D, PAGE_SIZE, BLOCK_R, CLEAR_PAIRS)
+        clear_rows(v_cache_ptr, last_page, first_pair, tail_start, stride_cp, stride_cr,
+                   stride_ch, HKV, D, PAGE_SIZE, BLOCK_R, CLEAR_PAIRS)
+    return b, c, valid
 
 
-@triton.jit
-def tile_program(pid, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, num_tokens,
-                 num_req, max_req_len, max_pos, max_pages, num_pages, stride_qkv, stride_pi,
-                 NUM_SLOTS: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr):
-    """Tile program ``pid`` = ``block * NUM_SLOTS + slot``: tokens
-    ``[block * BLOCK_M, (block + 1) * BLOCK_M)`` of head slot ``slot``.
+def launch_plan(num_tokens: int, num_req: int, num_slots: int, num_kv_heads: int,
+                head_dim: int, page_size: int, max_pages: int, clear: bool) -> dict[str, int]:
+    """Grid and compile-time shapes of one append launch: ``grid`` (request programs
+    first, then tile programs), ``num_warps`` and the kernels' constexprs.
 
-    Returns ``(slot, tok, req, r, pos, page, row, tok_ok, page_ok, src)``: see
-    ``token_targets``; ``src`` points at the tile's ``[BLOCK_M, D]`` bf16 input.
+    Tile and clear sizes come from ``_config``'s per-shape table; the loop chunks
+    are no wider than the tables they scan (8 requests are not padded to 128).
     """
-    slot = pid % NUM_SLOTS
-    tok = (pid // NUM_SLOTS) * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid, req = scan_q_indptr(q_indptr_ptr, num_req, num_tokens, max_req_len, tok, BLOCK_M,
-                               CHUNK_B, NUM_B_CHUNKS)
-    live = valid & (tok < num_tokens)
-    tok_ok, r, pos, page, row, page_ok = token_targets(
-        q_indptr_ptr, seq_lens_ptr, page_indices_ptr, stride_pi, tok, req, live, max_pos,
-        max_pages, num_pages, PAGE_SIZE)
-    src = (qkv_ptr + tok.to(tl.int64)[:, None] * stride_qkv + slot * D
-           + tl.arange(0, D)[None, :])
-    return slot, tok, req, r, pos, page, row, tok_ok, page_ok, src
-
-
-def launch_constants(num_req: int, max_pages: int) -> dict[str, int]:
-    """The compile-time loop shapes of the shared helpers for a batch of ``num_req``
-    requests and a page table ``max_pages`` wide."""
-    return dict(CHUNK_B=_config.APPEND_CHUNK_B,
-                NUM_B_CHUNKS=triton.cdiv(num_req, _config.APPEND_CHUNK_B),
-                CHUNK_P=_config.APPEND_CHUNK_P,
-                NUM_P_CHUNKS=triton.cdiv(max_pages, _config.APPEND_CHUNK_P),
-                BLOCK_R=_config.APPEND_BLOCK_R)
+    block_m = _config.append_block_m(num_tokens, head_dim)
+    pairs = page_size * num_kv_heads  # (row, kv head) pairs of one page
+    block_r = _config.APPEND_BLOCK_R
+    clear_pairs = min(_config.append_clear_pairs(page_size, num_kv_heads),
+                      triton.cdiv(pairs, block_r) * block_r)
+    clear_programs = triton.cdiv(pairs, clear_pairs) if clear else 1
+    chunk_b = min(_config.APPEND_CHUNK_B, triton.next_power_of_2(num_req))
+    chunk_p = min(_config.APPEND_CHUNK_P, triton.next_power_of_2(max_pages))
+    return dict(
+        grid=num_req * clear_programs + triton.cdiv(num_tokens, block_m) * num_slots,
+        num_warps=_config.append_num_warps(num_tokens, num_slots), BLOCK_M=block_m,
+        CHUNK_B=chunk_b, NUM_B_CHUNKS=triton.cdiv(num_req, chunk_b), CHUNK_P=chunk_p,
+        NUM_P_CHUNKS=triton.cdiv(max_pages, chunk_p), BLOCK_R=block_r,
+        CLEAR_PAIRS=clear_pairs, CLEAR_PROGRAMS=clear_programs)
 
 
 # ----------------------------------------------------------------------------- host

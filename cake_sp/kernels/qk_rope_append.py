@@ -13,12 +13,7 @@ import triton
 import triton.language as tl
 
 from cake_sp.kernels import _config
-from cake_sp.kernels.norm_rope import (
-    load_cos_sin,
-    qk_norm_rope,
-    rope_style_code,
-    round_to_bf16,
-)
+from cake_sp.kernels.norm_rope import rope_style_code, round_to_bf16
 from cake_sp.kernels.paged_append import (
     cache_strides,
     check_error_flags,
@@ -27,7 +22,8 @@ from cake_sp.kernels.paged_append import (
     check_paged_append_common,
     check_token_out,
     describe,
-    launch_constants,
+    launch_plan,
+    normalized_rotated_head,
     request_program,
     store_kv_rows,
     tile_program,
@@ -50,44 +46,46 @@ def _qk_rope_append_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr,
     CHUNK_P: tl.constexpr, NUM_P_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
+    CLEAR_PAIRS: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr,
     POLICY: tl.constexpr, STYLE: tl.constexpr, K_TO_CACHE: tl.constexpr,
     V_TO_CACHE: tl.constexpr, CLEAR: tl.constexpr, HAS_ERROR_FLAGS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Programs ``[0, B * Hkv)`` are request programs, the rest tile programs
+    """Programs ``[0, B * CLEAR_PROGRAMS)`` are request programs, the rest tile programs
     (``paged_append``).  Q/K: ``bf16(qk_norm_rope(fp32(x)))``, rounded once;
     V: the input bits, copied."""
     pid = tl.program_id(0)
-    if pid < num_req * HKV:
+    if pid < num_req * CLEAR_PROGRAMS:
         request_program(pid, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_ptr,
                         v_cache_ptr, error_flags_ptr, num_tokens, num_req, _NO_LIMIT, max_pos,
                         max_pages, num_pages, stride_pi, stride_cp, stride_cr, stride_ch, HKV,
-                        D, PAGE_SIZE, BLOCK_M, CHUNK_B, NUM_B_CHUNKS, CHUNK_P, NUM_P_CHUNKS,
-                        BLOCK_R, CLEAR, HAS_ERROR_FLAGS)
+                        D, PAGE_SIZE, CHUNK_B, NUM_B_CHUNKS, CHUNK_P, NUM_P_CHUNKS, BLOCK_R,
+                        CLEAR_PAIRS, CLEAR_PROGRAMS, CLEAR, HAS_ERROR_FLAGS)
     else:
-        slot, tok, req, r, pos, page, row, tok_ok, page_ok, src = tile_program(
-            pid - num_req * HKV, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr,
+        slot, tok, req, r, tok_ok, pos, page, row, page_ok, x_lo, x_hi = tile_program(
+            pid - num_req * CLEAR_PROGRAMS, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr,
             num_tokens, num_req, _NO_LIMIT, max_pos, max_pages, num_pages, stride_qkv,
             stride_pi, HQ + 2 * HKV, D, PAGE_SIZE, BLOCK_M, CHUNK_B, NUM_B_CHUNKS)
-        cols = tl.arange(0, D)[None, :]
         if slot < HQ + HKV:
-            x = tl.load(src, mask=tok_ok[:, None], other=0.0).to(tl.float32)
-            cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, tok_ok, tl.arange(0, D // 2), D)
+            y_lo, y_hi = normalized_rotated_head(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr,
+                                                 stride_cs, q_norm_ptr, k_norm_ptr, eps, HQ,
+                                                 POLICY, BLOCK_M, D, STYLE)
+            y_lo = round_to_bf16(y_lo, INTERPRET)
+            y_hi = round_to_bf16(y_hi, INTERPRET)
             if slot < HQ:
-                y = qk_norm_rope(x, q_norm_ptr, cos, sin, eps, POLICY, BLOCK_M, D, STYLE)
-                dst = out_q_ptr + tok.to(tl.int64)[:, None] * stride_qt + slot * stride_qh + cols
-                tl.store(dst, round_to_bf16(y, INTERPRET), mask=tok_ok[:, None])
+                dst = (out_q_ptr + (tok.to(tl.int64) * stride_qt + slot * stride_qh)[:, None]
+                       + tl.arange(0, D // 2)[None, :])
+                tl.store(dst, y_lo, mask=tok_ok[:, None])
+                tl.store(dst + D // 2, y_hi, mask=tok_ok[:, None])
             else:
-                y = qk_norm_rope(x, k_norm_ptr, cos, sin, eps, POLICY, BLOCK_M, D, STYLE)
-                store_kv_rows(k_cache_ptr, out_k_ptr, round_to_bf16(y, INTERPRET), tok,
-                              slot - HQ, page, row, tok_ok, page_ok, stride_cp, stride_cr,
-                              stride_ch, stride_kt, stride_kh, D, K_TO_CACHE)
+                store_kv_rows(k_cache_ptr, out_k_ptr, y_lo, y_hi, tok, slot - HQ, page, row,
+                              tok_ok, page_ok, stride_cp, stride_cr, stride_ch, stride_kt,
+                              stride_kh, D, K_TO_CACHE)
         else:
             # V is a pure copy: no arithmetic, so the bf16 bits pass through unchanged.
-            v = tl.load(src, mask=tok_ok[:, None], other=0.0)
-            store_kv_rows(v_cache_ptr, out_v_ptr, v, tok, slot - HQ - HKV, page, row, tok_ok,
-                          page_ok, stride_cp, stride_cr, stride_ch, stride_vt, stride_vh, D,
-                          V_TO_CACHE)
+            store_kv_rows(v_cache_ptr, out_v_ptr, x_lo, x_hi, tok, slot - HQ - HKV, page, row,
+                          tok_ok, page_ok, stride_cp, stride_cr, stride_ch, stride_vt,
+                          stride_vh, D, V_TO_CACHE)
 
 
 def _check_qk_rope_append_inputs(qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache,
@@ -270,9 +268,8 @@ def qk_rope_append_fwd(qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache
     """Launch the kernel on checked inputs (see the public function)."""
     num_tokens, num_req = qkv.shape[0], seq_lens.shape[0]
     head_dim = key_cache.shape[-1]
-    block_m = _config.append_block_m(num_tokens, head_dim)
-    num_slots = num_q_heads + 2 * num_kv_heads
-    grid = (num_req * num_kv_heads + triton.cdiv(num_tokens, block_m) * num_slots,)
+    plan = launch_plan(num_tokens, num_req, num_q_heads + 2 * num_kv_heads, num_kv_heads,
+                       head_dim, page_size, page_indices.shape[1], clear)
     stride_cp, stride_cr, stride_ch = cache_strides(key_cache, kv_layout)
     # Absent optional tensors are never dereferenced (constexpr switches); any
     # valid pointer stands in for them.
@@ -280,7 +277,7 @@ def qk_rope_append_fwd(qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache
     k_w = k_norm_weight if qk_norm_policy else qkv
     k_out = out_k if out_k is not None else out_q
     v_out = out_v if out_v is not None else out_q
-    _qk_rope_append_kernel[grid](
+    _qk_rope_append_kernel[(plan.pop("grid"),)](
         qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache, value_cache,
         out_q, k_out, v_out, q_w, k_w, error_flags if error_flags is not None else seq_lens,
         num_tokens, num_req, cos_sin.shape[0], page_indices.shape[1], key_cache.shape[0],
@@ -288,9 +285,9 @@ def qk_rope_append_fwd(qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache
         stride_cp, stride_cr, stride_ch,
         out_q.stride(0), out_q.stride(1), k_out.stride(0), k_out.stride(1),
         v_out.stride(0), v_out.stride(1), eps,
-        HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m,
-        **launch_constants(num_req, page_indices.shape[1]), POLICY=qk_norm_policy,
+        HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, PAGE_SIZE=page_size, **plan,
+        POLICY=qk_norm_policy,
         STYLE=rope_style_code(rope_style), K_TO_CACHE=out_k is None, V_TO_CACHE=out_v is None,
         CLEAR=bool(clear), HAS_ERROR_FLAGS=error_flags is not None,
-        INTERPRET=_config.INTERPRET, num_warps=_config.APPEND_NUM_WARPS,
+        INTERPRET=_config.INTERPRET,
     )

@@ -3,8 +3,8 @@
 The FP8 twin of ``qk_rope_append``: same grid, metadata and status flags
 (``paged_append``), but Q leaves as FP8 with a per-token-per-head (dynamic) or
 static scale, K and V are stored as FP8 ``x / k_scale`` and ``x / v_scale``,
-and every request program also writes the ``split_k_flag`` entries of its
-request: 0, or -1 when the metadata is malformed and nothing was written.
+and the first request program of each request also writes its ``split_k_flag``
+entries: 0, or -1 when the metadata is malformed and nothing was written.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from cake_sp.kernels import _config
 from cake_sp.kernels.norm_rope import (
     FP8_E4M3_MAX,
     divide_rn,
-    load_cos_sin,
-    qk_norm_rope,
     rope_style_code,
     round_to_fp8e4m3,
 )
@@ -32,7 +30,8 @@ from cake_sp.kernels.paged_append import (
     check_paged_append_common,
     check_token_out,
     describe,
-    launch_constants,
+    launch_plan,
+    normalized_rotated_head,
     request_program,
     require_tensor,
     store_kv_rows,
@@ -75,64 +74,78 @@ def _qk_rope_fp8_append_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr,
     CHUNK_P: tl.constexpr, NUM_P_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
+    CLEAR_PAIRS: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr,
     POLICY: tl.constexpr, STYLE: tl.constexpr, QUANT: tl.constexpr,
     SCALE_BY_REQUEST: tl.constexpr, K_TO_CACHE: tl.constexpr, V_TO_CACHE: tl.constexpr,
     CLEAR: tl.constexpr, HAS_ERROR_FLAGS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Programs ``[0, B * Hkv)`` are request programs, the rest tile programs
+    """Programs ``[0, B * CLEAR_PROGRAMS)`` are request programs, the rest tile programs
     (``paged_append``).  Q: ``fp8(y / s)`` with ``s = max(|y|, 1e-6) / upper_max``
     per token and head (``QUANT`` 1) or ``fp8(y * q_scale_inv)`` (2), where
     ``y = qk_norm_rope(fp32(x))``; K: ``fp8(y / k_scale)``; V: ``fp8(fp32(v) / v_scale)``.
     One rounding each (IEEE division, nearest-even, saturating)."""
     pid = tl.program_id(0)
-    if pid < num_req * HKV:
-        b, h, valid = request_program(
+    if pid < num_req * CLEAR_PROGRAMS:
+        b, c, valid = request_program(
             pid, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_ptr, v_cache_ptr,
             error_flags_ptr, num_tokens, num_req, max_req_len, max_pos, max_pages, num_pages,
-            stride_pi, stride_cp, stride_cr, stride_ch, HKV, D, PAGE_SIZE, BLOCK_M, CHUNK_B,
-            NUM_B_CHUNKS, CHUNK_P, NUM_P_CHUNKS, BLOCK_R, CLEAR, HAS_ERROR_FLAGS)
-        tl.store(split_k_flag_ptr + pid, tl.where(valid, 0, -1))
+            stride_pi, stride_cp, stride_cr, stride_ch, HKV, D, PAGE_SIZE, CHUNK_B,
+            NUM_B_CHUNKS, CHUNK_P, NUM_P_CHUNKS, BLOCK_R, CLEAR_PAIRS, CLEAR_PROGRAMS, CLEAR,
+            HAS_ERROR_FLAGS)
+        for h in tl.static_range(HKV):  # one split_k_flag entry per (b, kv head)
+            tl.store(split_k_flag_ptr + b * HKV + h, tl.where(valid, 0, -1), mask=c == 0)
     else:
-        slot, tok, req, r, pos, page, row, tok_ok, page_ok, src = tile_program(
-            pid - num_req * HKV, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr,
+        slot, tok, req, r, tok_ok, pos, page, row, page_ok, x_lo, x_hi = tile_program(
+            pid - num_req * CLEAR_PROGRAMS, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr,
             num_tokens, num_req, max_req_len, max_pos, max_pages, num_pages, stride_qkv,
             stride_pi, HQ + 2 * HKV, D, PAGE_SIZE, BLOCK_M, CHUNK_B, NUM_B_CHUNKS)
-        cols = tl.arange(0, D)[None, :]
         if slot < HQ + HKV:
-            x = tl.load(src, mask=tok_ok[:, None], other=0.0).to(tl.float32)
-            cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, tok_ok, tl.arange(0, D // 2), D)
+            y_lo, y_hi = normalized_rotated_head(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr,
+                                                 stride_cs, q_norm_ptr, k_norm_ptr, eps, HQ,
+                                                 POLICY, BLOCK_M, D, STYLE)
             if slot < HQ:
-                y = qk_norm_rope(x, q_norm_ptr, cos, sin, eps, POLICY, BLOCK_M, D, STYLE)
                 if QUANT == _QUANT_DYNAMIC:
-                    amax = tl.maximum(tl.max(tl.abs(y), axis=1), _AMAX_FLOOR)
+                    amax = tl.maximum(tl.maximum(tl.max(tl.abs(y_lo), axis=1),
+                                                 tl.max(tl.abs(y_hi), axis=1)), _AMAX_FLOOR)
                     scale = tl.math.div_rn(amax, tl.full([BLOCK_M], upper_max, tl.float32))
                     # scale >= 1e-6 / 448 > 2^-64, and <= FLT_MAX / upper_max < 2^126:
                     # 1 / scale is normal, all divide_rn's fast path needs here.
-                    q8 = round_to_fp8e4m3(divide_rn(y, scale[:, None], upper_max >= 4.0,
-                                                    INTERPRET), INTERPRET)
+                    fast = upper_max >= 4.0
+                    q_lo = round_to_fp8e4m3(divide_rn(y_lo, scale[:, None], fast, INTERPRET),
+                                            INTERPRET)
+                    q_hi = round_to_fp8e4m3(divide_rn(y_hi, scale[:, None], fast, INTERPRET),
+                                            INTERPRET)
                     if SCALE_BY_REQUEST:
                         s_off = req.to(tl.int64) * stride_sb + r * stride_st
                     else:
                         s_off = tok.to(tl.int64) * stride_st
                     tl.store(q_scale_ptr + s_off + slot * stride_sh, scale, mask=tok_ok)
                 else:
-                    q8 = round_to_fp8e4m3(y * tl.load(q_scale_inv_ptr), INTERPRET)
-                dst = out_q_ptr + tok.to(tl.int64)[:, None] * stride_qt + slot * stride_qh + cols
-                tl.store(dst, q8, mask=tok_ok[:, None])
+                    q_scale_inv = tl.load(q_scale_inv_ptr)
+                    q_lo = round_to_fp8e4m3(y_lo * q_scale_inv, INTERPRET)
+                    q_hi = round_to_fp8e4m3(y_hi * q_scale_inv, INTERPRET)
+                dst = (out_q_ptr + (tok.to(tl.int64) * stride_qt + slot * stride_qh)[:, None]
+                       + tl.arange(0, D // 2)[None, :])
+                tl.store(dst, q_lo, mask=tok_ok[:, None])
+                tl.store(dst + D // 2, q_hi, mask=tok_ok[:, None])
             else:
-                y = qk_norm_rope(x, k_norm_ptr, cos, sin, eps, POLICY, BLOCK_M, D, STYLE)
-                k8 = round_to_fp8e4m3(_divide_by_scale(y, tl.load(k_scale_ptr), INTERPRET),
-                                      INTERPRET)
-                store_kv_rows(k_cache_ptr, out_k_ptr, k8, tok, slot - HQ, page, row, tok_ok,
-                              page_ok, stride_cp, stride_cr, stride_ch, stride_kt, stride_kh, D,
-                              K_TO_CACHE)
+                k_scale = tl.load(k_scale_ptr)
+                store_kv_rows(k_cache_ptr, out_k_ptr,
+                              round_to_fp8e4m3(_divide_by_scale(y_lo, k_scale, INTERPRET),
+                                               INTERPRET),
+                              round_to_fp8e4m3(_divide_by_scale(y_hi, k_scale, INTERPRET),
+                                               INTERPRET),
+                              tok, slot - HQ, page, row, tok_ok, page_ok, stride_cp, stride_cr,
+                              stride_ch, stride_kt, stride_kh, D, K_TO_CACHE)
         else:
-            v = tl.load(src, mask=tok_ok[:, None], other=0.0).to(tl.float32)
-            v8 = round_to_fp8e4m3(_divide_by_scale(v, tl.load(v_scale_ptr), INTERPRET),
-                                  INTERPRET)
-            store_kv_rows(v_cache_ptr, out_v_ptr, v8, tok, slot - HQ - HKV, page, row, tok_ok,
-                          page_ok, stride_cp, stride_cr, stride_ch, stride_vt, stride_vh, D,
-                          V_TO_CACHE)
+            v_scale = tl.load(v_scale_ptr)
+            store_kv_rows(v_cache_ptr, out_v_ptr,
+                          round_to_fp8e4m3(_divide_by_scale(x_lo.to(tl.float32), v_scale,
+                                                            INTERPRET), INTERPRET),
+                          round_to_fp8e4m3(_divide_by_scale(x_hi.to(tl.float32), v_scale,
+                                                            INTERPRET), INTERPRET),
+                          tok, slot - HQ - HKV, page, row, tok_ok, page_ok, stride_cp,
+                          stride_cr, stride_ch, stride_vt, stride_vh, D, V_TO_CACHE)
 
 
 def _check_scalar_tensor(name: str, t, device: torch.device) -> None:
@@ -344,8 +357,8 @@ def fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache(
             k_norm_weight, qk_norm_policy, out_q, out_k, out_v, q_scale, split_k_flag, eps,
             rope_style, kv_layout, clear_unused_last_page_rows, error_flags)
         return out_q, q_scale, split_k_flag
-    block_m = _config.append_block_m(num_tokens, head_dim)
-    grid = (num_req * hkv + triton.cdiv(num_tokens, block_m) * (hq + 2 * hkv),)
+    plan = launch_plan(num_tokens, num_req, hq + 2 * hkv, hkv, head_dim, page_size,
+                       page_indices.shape[1], clear_unused_last_page_rows)
     stride_cp, stride_cr, stride_ch = cache_strides(key_cache, kv_layout)
     # Absent optional tensors are never dereferenced (constexpr switches); any
     # valid pointer stands in for them.
@@ -358,7 +371,7 @@ def fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache(
         stride_sb, stride_st, stride_sh = 0, q_scale.stride(0), q_scale.stride(1)
     else:
         stride_sb = stride_st = stride_sh = 0
-    _qk_rope_fp8_append_kernel[grid](
+    _qk_rope_fp8_append_kernel[(plan.pop("grid"),)](
         qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache, value_cache,
         out_q, k_out, v_out,
         q_norm_weight if qk_norm_policy else qkv, k_norm_weight if qk_norm_policy else qkv,
@@ -372,12 +385,11 @@ def fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache(
         out_q.stride(0), out_q.stride(1), k_out.stride(0), k_out.stride(1),
         v_out.stride(0), v_out.stride(1), stride_sb, stride_st, stride_sh,
         eps, float(upper_max),
-        HQ=hq, HKV=hkv, D=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m,
-        **launch_constants(num_req, page_indices.shape[1]), POLICY=qk_norm_policy,
+        HQ=hq, HKV=hkv, D=head_dim, PAGE_SIZE=page_size, **plan, POLICY=qk_norm_policy,
         STYLE=rope_style_code(rope_style), QUANT=quant_policy, SCALE_BY_REQUEST=scale_by_request,
         K_TO_CACHE=out_k is None, V_TO_CACHE=out_v is None,
         CLEAR=bool(clear_unused_last_page_rows), HAS_ERROR_FLAGS=error_flags is not None,
-        INTERPRET=_config.INTERPRET, num_warps=_config.APPEND_NUM_WARPS,
+        INTERPRET=_config.INTERPRET,
     )
     return out_q, q_scale, split_k_flag
 

@@ -1,7 +1,7 @@
 """Fused QK RMSNorm + RoPE + paged append, BF16 caches, against the float64 oracle.
 
 CPU (Triton interpreter) cases stay small: each program of a grid runs in
-turn there, so a case costs about (token blocks x (Hq + 2 Hkv) + B x Hkv)
+turn there, so a case costs about (token blocks x (Hq + 2 Hkv) + B x clear shares)
 programs.  ``gpu`` cases use serving shapes and CUDA graphs.
 """
 
@@ -90,6 +90,16 @@ def test_prefill_ragged_cross_page(device, heads, policy, rope_style, kv_layout,
     case = Case(**PREFILL, page_size=16, num_q_heads=heads[0], num_kv_heads=heads[1])
     run_case(device, case, policy=policy, rope_style=rope_style, kv_layout=kv_layout,
              record=record_property)
+
+
+@pytest.mark.parametrize("rope_style", ["neox", "interleaved"])
+def test_direct_lookup_and_scan_in_one_batch(device, rope_style):
+    """32 one-token requests, then two of two tokens and an empty one: the first tile
+    (BLOCK_M = 32) finds each token's request at its own index, the second misses that
+    guess and scans the table."""
+    case = Case(new=[1] * 32 + [2, 0, 2], prefix=[3 * i % 11 for i in range(32)] + [5, 4, 9],
+                page_size=4, num_q_heads=2, num_kv_heads=1)
+    run_case(device, case, rope_style=rope_style)
 
 
 @pytest.mark.parametrize("head_dim,page_size,norm_dtype", [

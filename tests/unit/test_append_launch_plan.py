@@ -1,0 +1,47 @@
+"""The append kernels' launch plan: a pure function of the shape (host only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cake_sp.kernels import _config
+from cake_sp.kernels.paged_append import launch_plan
+
+
+@pytest.mark.parametrize("num_tokens,head_dim,want", [
+    (1, 128, 1), (3, 128, 4), (32, 128, 8), (1024, 64, 16), (1024, 256, 4), (5, 64, 8)])
+def test_tile_is_the_channel_budget_or_the_batch(num_tokens, head_dim, want):
+    assert _config.append_block_m(num_tokens, head_dim) == want
+
+
+def test_small_batches_take_more_warps():
+    assert _config.append_num_warps(32, 10) == 4  # decode, (8, 1)
+    assert _config.append_num_warps(128, 80) == 2  # decode B = 128, (64, 8)
+
+
+@pytest.mark.parametrize("page_size,num_kv_heads,clear,programs,pairs", [
+    (16, 1, True, 1, 16),     # the whole page in one share (16 pairs)
+    (16, 8, True, 1, 128),    # small pages: one program takes all 128 pairs
+    (64, 8, True, 16, 32),    # large pages: 32-pair shares, 16 programs
+    (64, 1, True, 1, 64),     # large pages, one kv head: 64-pair shares
+    (128, 1, True, 2, 64),
+    (5, 1, True, 1, 16),      # a share never below APPEND_BLOCK_R
+    (64, 8, False, 1, 32),    # no clear: one status program a request
+])
+def test_clear_shares(page_size, num_kv_heads, clear, programs, pairs):
+    plan = launch_plan(num_tokens=32, num_req=32, num_slots=10, num_kv_heads=num_kv_heads,
+                       head_dim=128, page_size=page_size, max_pages=70, clear=clear)
+    assert (plan["CLEAR_PROGRAMS"], plan["CLEAR_PAIRS"]) == (programs, pairs)
+    assert plan["CLEAR_PAIRS"] % plan["BLOCK_R"] == 0
+    assert plan["grid"] == 32 * programs + 32 // plan["BLOCK_M"] * 10
+
+
+def test_scan_chunks_fit_the_tables():
+    plan = launch_plan(num_tokens=64, num_req=5, num_slots=4, num_kv_heads=1, head_dim=128,
+                       page_size=16, max_pages=3, clear=True)
+    assert (plan["CHUNK_B"], plan["NUM_B_CHUNKS"]) == (8, 1)
+    assert (plan["CHUNK_P"], plan["NUM_P_CHUNKS"]) == (4, 1)
+    plan = launch_plan(num_tokens=300, num_req=300, num_slots=4, num_kv_heads=1, head_dim=128,
+                       page_size=16, max_pages=200, clear=True)
+    assert (plan["CHUNK_B"], plan["NUM_B_CHUNKS"]) == (128, 3)
+    assert (plan["CHUNK_P"], plan["NUM_P_CHUNKS"]) == (64, 4)
