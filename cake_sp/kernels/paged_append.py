@@ -186,25 +186,34 @@ def normalized_rotated_head(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr, stride_c
 
 
 @triton.jit
+def store_token_rows(out_ptr, lo, hi, tok, head, tok_ok, stride_ot, stride_oh,
+                     D: tl.constexpr):
+    """Store a head tile, given as its column halves ``lo``, ``hi`` (``[BLOCK_M, D/2]``
+    each, ``tile_program``), into rows ``tok`` of a ``[T, H, D]`` output (``out_q``,
+    or the caller's ``out_k`` / ``out_v``); ``tok_ok`` gates the rows."""
+    dst = (out_ptr + (tok.to(tl.int64) * stride_ot + head * stride_oh)[:, None]
+           + tl.arange(0, D // 2)[None, :])
+    tl.store(dst, lo, mask=tok_ok[:, None])
+    tl.store(dst + D // 2, hi, mask=tok_ok[:, None])
+
+
+@triton.jit
 def store_kv_rows(cache_ptr, out_ptr, lo, hi, tok, head, page, row, tok_ok, page_ok,
                   stride_cp, stride_cr, stride_ch, stride_ot, stride_oh,
                   D: tl.constexpr, TO_CACHE: tl.constexpr):
-    """Store a K or V tile of kv head ``head``, given as its column halves ``lo``,
-    ``hi`` (``[BLOCK_M, D/2]`` each, ``tile_program``).
+    """Store a K or V tile of kv head ``head`` (column halves, as ``store_token_rows``).
 
     ``TO_CACHE``: into the paged cache at ``(page, row)`` of each token, skipping
     tokens whose page is out of range; otherwise into the caller's ``out``
     ``[T, Hkv, D]`` (no page involved, so only ``tok_ok`` gates the row).
     """
-    cols = tl.arange(0, D // 2)[None, :]
     if TO_CACHE:
-        dst = cache_ptr + (page * stride_cp + row * stride_cr + head * stride_ch)[:, None] + cols
-        mask = page_ok[:, None]
+        dst = (cache_ptr + (page * stride_cp + row * stride_cr + head * stride_ch)[:, None]
+               + tl.arange(0, D // 2)[None, :])
+        tl.store(dst, lo, mask=page_ok[:, None])
+        tl.store(dst + D // 2, hi, mask=page_ok[:, None])
     else:
-        dst = out_ptr + (tok.to(tl.int64) * stride_ot + head * stride_oh)[:, None] + cols
-        mask = tok_ok[:, None]
-    tl.store(dst, lo, mask=mask)
-    tl.store(dst + D // 2, hi, mask=mask)
+        store_token_rows(out_ptr, lo, hi, tok, head, tok_ok, stride_ot, stride_oh, D)
 
 
 @triton.jit

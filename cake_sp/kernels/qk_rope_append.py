@@ -26,6 +26,7 @@ from cake_sp.kernels.paged_append import (
     normalized_rotated_head,
     request_program,
     store_kv_rows,
+    store_token_rows,
     tile_program,
 )
 
@@ -73,10 +74,7 @@ def _qk_rope_append_kernel(
             y_lo = round_to_bf16(y_lo, INTERPRET)
             y_hi = round_to_bf16(y_hi, INTERPRET)
             if slot < HQ:
-                dst = (out_q_ptr + (tok.to(tl.int64) * stride_qt + slot * stride_qh)[:, None]
-                       + tl.arange(0, D // 2)[None, :])
-                tl.store(dst, y_lo, mask=tok_ok[:, None])
-                tl.store(dst + D // 2, y_hi, mask=tok_ok[:, None])
+                store_token_rows(out_q_ptr, y_lo, y_hi, tok, slot, tok_ok, stride_qt, stride_qh, D)
             else:
                 store_kv_rows(k_cache_ptr, out_k_ptr, y_lo, y_hi, tok, slot - HQ, page, row,
                               tok_ok, page_ok, stride_cp, stride_cr, stride_ch, stride_kt,

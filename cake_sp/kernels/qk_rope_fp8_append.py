@@ -35,6 +35,7 @@ from cake_sp.kernels.paged_append import (
     request_program,
     require_tensor,
     store_kv_rows,
+    store_token_rows,
     tile_program,
 )
 
@@ -124,10 +125,7 @@ def _qk_rope_fp8_append_kernel(
                     q_scale_inv = tl.load(q_scale_inv_ptr)
                     q_lo = round_to_fp8e4m3(y_lo * q_scale_inv, INTERPRET)
                     q_hi = round_to_fp8e4m3(y_hi * q_scale_inv, INTERPRET)
-                dst = (out_q_ptr + (tok.to(tl.int64) * stride_qt + slot * stride_qh)[:, None]
-                       + tl.arange(0, D // 2)[None, :])
-                tl.store(dst, q_lo, mask=tok_ok[:, None])
-                tl.store(dst + D // 2, q_hi, mask=tok_ok[:, None])
+                store_token_rows(out_q_ptr, q_lo, q_hi, tok, slot, tok_ok, stride_qt, stride_qh, D)
             else:
                 k_scale = tl.load(k_scale_ptr)
                 store_kv_rows(k_cache_ptr, out_k_ptr,

@@ -94,9 +94,9 @@ def test_prefill_ragged_cross_page(device, heads, policy, rope_style, kv_layout,
 
 @pytest.mark.parametrize("rope_style", ["neox", "interleaved"])
 def test_direct_lookup_and_scan_in_one_batch(device, rope_style):
-    """32 one-token requests, then two of two tokens and an empty one: the first tile
-    (BLOCK_M = 32) finds each token's request at its own index, the second misses that
-    guess and scans the table."""
+    """32 one-token requests, then two of two tokens and an empty one: the tiles of the
+    first 32 tokens find each token's request at its own index, the last tile misses
+    that guess and scans the table (tiles of 8 tokens at D = 128, or up to 32)."""
     case = Case(new=[1] * 32 + [2, 0, 2], prefix=[3 * i % 11 for i in range(32)] + [5, 4, 9],
                 page_size=4, num_q_heads=2, num_kv_heads=1)
     run_case(device, case, rope_style=rope_style)
