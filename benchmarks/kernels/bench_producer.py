@@ -4,17 +4,16 @@ One command on one GPU; prints a Markdown table last and can write ``--json PATH
 
     python benchmarks/kernels/bench_producer.py --json producer.json
 
-Rows: ``W in {2, 8}`` x ``hidden in {3072, 4096, 8192}`` (``hidden / 128`` Q
-heads, 8 K/V heads, D = 128) x ``S_global in {4096, 32768, 131072}``, one
-batch entry, so this rank has ``rows = S_local = S_global / W`` tokens.  Arms,
+Rows: ``W in {2, 4, 8}`` x ``hidden in {3072, 4096, 6144, 8192}`` (``hidden / 128`` Q
+heads, 8 K/V heads or ``--kv-heads mha``, D = 128) x ``S_global in {4096, 32768,
+131072}``, one batch entry, so this rank has ``rows = S_local = S_global / W`` tokens.  Arms,
 all on this rank's rows, every destination buffer local (an in-process
 pointer table of W buffers, so the stores cost HBM bandwidth, not NVLink):
 
 * ``cublas``: ``x @ qkv_weight.T`` alone (cuBLAS through ``torch.matmul``), bf16 out;
-* ``producer``: ``qkv_norm_rope_produce`` without signals, its default launch
-  (``--mainloops`` times named mainloops side by side instead, as
-  ``producer_<mainloop>``): GEMM + bias + QK RMSNorm + RoPE + stores of every
-  head band at its destination's offset;
+* ``producer_<mainloop>``: ``qkv_norm_rope_produce`` without signals on each of
+  ``--mainloops`` (default: every one the GPU runs), side by side: GEMM + bias + QK
+  RMSNorm + RoPE + stores of every head band at its destination's offset;
 * ``eager``: the per-operator front end: ``F.linear``, RMSNorm and RoPE as torch
   ops, then one copy per destination and kind into the same buffers;
 * ``cublas_fp32``: the GEMM alone with an fp32 output (the cuBLAS engine's first step);
@@ -22,15 +21,21 @@ pointer table of W buffers, so the stores cost HBM bandwidth, not NVLink):
   (``producer_cublas.qkv_norm_rope_produce_cublas``): ``cublas_fp32``, then one Triton
   epilogue kernel.
 
+Per row the table prints every engine arm's time over ``cublas``, the arm the
+session's choice takes (``_config.producer_engine``, then the launcher's default
+mainloop) and its time over the fastest engine arm of the row.
+
 The eager arm is a baseline: a check of it that fails is recorded in the row
 (``eager_check``) and the arm still timed; every other arm must pass.
 
 Each arm is checked against the fp32 reference (``cake_sp.reference``) on the
 first ``--check-rows`` rows, atol = rtol = 1e-2, before it is timed; the eager
 arm against the same steps from a bf16-rounded projection, which is its math.  Each
-arm is captured once in a CUDA graph and timed as medians of
-``triton.testing.do_bench`` over replays (L2 flushed before every replay), so the
-host's launch cost is left out of every arm; inputs fresh random per row.
+arm is captured once in a CUDA graph and timed in ``--rounds`` rounds, each the median of
+``triton.testing.do_bench`` over replays (L2 flushed before every replay), the arms in
+rotated order from round to round; an arm's time is the median of its rounds (the JSON
+keeps every round).  The host's launch cost is left out of every arm; inputs fresh
+random per row.
 ``TFLOP/s`` counts the projection's ``2 * rows * N * hidden``.
 """
 
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable
 
@@ -46,9 +52,8 @@ import torch.nn.functional as F
 from _graphs import graphed
 
 HEAD_DIM = 128
-NUM_KV_HEADS = 8
-WORLDS = (2, 8)
-HIDDENS = (3072, 4096, 8192)
+WORLDS = (2, 4, 8)
+HIDDENS = (3072, 4096, 6144, 8192)
 SEQS = (4096, 32768, 131072)
 TOLERANCE = dict(atol=1e-2, rtol=1e-2)  # DESIGN.md section 1
 EPS = 1e-6
@@ -63,11 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rope-style", choices=("interleaved", "neox"), default="neox")
     p.add_argument("--check-rows", type=int, default=1024,
                    help="rows checked against the fp32 reference before timing")
-    p.add_argument("--warmup-ms", type=int, default=25)
-    p.add_argument("--rep-ms", type=int, default=200)
-    p.add_argument("--mainloops", type=lambda t: [m.strip() or None for m in t.split(",")],
-                   default=[None], help="comma list of producer mainloops to time side by side "
-                   "(producer.MAINLOOPS; empty: the launch default); the first is the one "
+    p.add_argument("--warmup-ms", type=int, default=10)
+    p.add_argument("--rep-ms", type=int, default=40, help="time of one do_bench round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds per arm (the median is kept)")
+    p.add_argument("--kv-heads", default="8",
+                   help="K/V heads: a number, or 'mha' for as many as Q heads")
+    p.add_argument("--mainloops", type=lambda t: [m.strip() for m in t.split(",") if m.strip()],
+                   default=["warp_specialized", "tma"], help="comma list of producer "
+                   "mainloops to time side by side (producer.MAINLOOPS); the first is the one "
                    "the eager and TFLOP/s columns use")
     p.add_argument("--json", metavar="PATH", help="also write rows and environment here")
     return p.parse_args(argv)
@@ -81,13 +89,14 @@ def _ints(text: str) -> list[int]:
 
 
 def make_problem(world: int, hidden: int, seq_global: int, rope_style: str,
-                 device: torch.device) -> dict:
-    """Fresh random inputs for source rank 0, and W local destination buffers."""
+                 device: torch.device, kv_heads: str = "8") -> dict:
+    """Fresh random inputs for source rank 0, and W local destination buffers
+    (``kv_heads``: a number, or ``"mha"``)."""
     # The package is imported where it is used, so that --help works without it.
     from cake_sp.layouts import DestLayout, HeadPlan
 
     hq = hidden // HEAD_DIM
-    plan = HeadPlan(world, hq, NUM_KV_HEADS, HEAD_DIM)
+    plan = HeadPlan(world, hq, hq if kv_heads == "mha" else int(kv_heads), HEAD_DIM)
     rows = seq_global // world
     n = plan.total_heads * HEAD_DIM
     dev = device
@@ -129,14 +138,10 @@ def _launch_arm(p: dict, launch: Callable, **options) -> Callable[[], None]:
     return run
 
 
-def producer_arm(p: dict, mainloop: str | None) -> Callable[[], None]:
+def producer_arm(p: dict, mainloop: str) -> Callable[[], None]:
     from cake_sp.kernels.producer import qkv_norm_rope_produce
 
     return _launch_arm(p, qkv_norm_rope_produce, mainloop=mainloop)
-
-
-def _producer_arm_names(mainloops: list[str | None]) -> list[str]:
-    return ["producer" if m is None else f"producer_{m}" for m in mainloops]
 
 
 def cublas_engine_arm(p: dict) -> Callable[[], None]:
@@ -216,7 +221,7 @@ def reference_heads(p: dict, rows: int, round_projection: bool) -> dict[str, tor
     """
     from cake_sp import reference
 
-    hq, d = p["plan"].num_q_heads, HEAD_DIM
+    hq, hkv, d = p["plan"].num_q_heads, p["plan"].num_kv_heads, HEAD_DIM
     proj = reference.project(p["x"][:rows], p["weight"], p["bias"]).view(rows, -1, d)
     if round_projection:
         proj = proj.bfloat16().float()
@@ -224,8 +229,8 @@ def reference_heads(p: dict, rows: int, round_projection: bool) -> dict[str, tor
     out = {name: reference.rope(reference.rms_norm(heads, weight, EPS), cos_sin,
                                 p["rope_style"])
            for name, heads, weight in (("q", proj[:, :hq], p["q_norm"]),
-                                       ("k", proj[:, hq: hq + NUM_KV_HEADS], p["k_norm"]))}
-    out["v"] = proj[:, hq + NUM_KV_HEADS:]
+                                       ("k", proj[:, hq: hq + hkv], p["k_norm"]))}
+    out["v"] = proj[:, hq + hkv:]
     return out
 
 
@@ -255,13 +260,12 @@ def check_projection(p: dict, out: torch.Tensor, rows: int) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def checked_front_ends(p: dict, check_rows: int, mainloops: list[str | None]
+def checked_front_ends(p: dict, check_rows: int, mainloops: list[str]
                        ) -> tuple[dict[str, Callable[[], None]], str]:
-    """The producer arm(s), the cuBLAS engine and the eager arm, each run once into
+    """The producer arms, the cuBLAS engine and the eager arm, each run once into
     NaN-poisoned buffers and checked against the reference; returns them and the eager
     arm's check (``"passed"`` or its failure)."""
-    arms = {name: producer_arm(p, m) for name, m in zip(_producer_arm_names(mainloops),
-                                                         mainloops, strict=True)}
+    arms = {f"producer_{m}": producer_arm(p, m) for m in mainloops}
     arms["cublas_engine"] = cublas_engine_arm(p)
     arms["eager"] = eager_arm(p)
     eager_check = "passed"
@@ -279,50 +283,77 @@ def checked_front_ends(p: dict, check_rows: int, mainloops: list[str | None]
     return arms, eager_check
 
 
-def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
+def picked_arm(p: dict) -> str:
+    """The arm the session's ``engine="auto"`` runs for ``p``: the engine table's choice, and
+    on the fused engine the launcher's default mainloop."""
+    from cake_sp.kernels import _config
+    from cake_sp.kernels.producer import choose_mainloop
+
+    sms = torch.cuda.get_device_properties(p["x"].device).multi_processor_count
+    if _config.producer_engine(p["rows"], p["plan"].total_heads, HEAD_DIM, sms,
+                               on_gpu=True) == "cublas":
+        return "cublas_engine"
+    return "producer_" + choose_mainloop(None, p["x"], p["weight"], HEAD_DIM,
+                                         _config.PRODUCER_BLOCK_M, on_gpu=True)
+
+
+def timed(arms: dict[str, Callable[[], None]], args) -> dict[str, list[float]]:
+    """Per arm, ``args.rounds`` medians of ``triton.testing.do_bench`` over graph replays; the
+    rounds visit the arms in rotated order, every other one reversed, so drift in the GPU's
+    clock spreads over all arms."""
     import triton.testing
 
-    p = make_problem(world, hidden, seq_global, args.rope_style, torch.device("cuda"))
+    graphs = {name: graphed(fn) for name, fn in arms.items()}
+    names = list(graphs)
+    samples = {name: [] for name in names}
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order[::-1] if r % 2 else order:
+            samples[name].append(triton.testing.do_bench(
+                graphs[name], warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median"))
+    return samples
+
+
+def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
+    p = make_problem(world, hidden, seq_global, args.rope_style, torch.device("cuda"),
+                     args.kv_heads)
     rows, check_rows = p["rows"], min(args.check_rows, p["rows"])
     cublas, cublas_out = cublas_arm(p)
     cublas()
     check_projection(p, cublas_out, check_rows)
-    front_ends, eager_check = checked_front_ends(p, check_rows, args.mainloops)
-    arms = dict(cublas=cublas, cublas_fp32=cublas_fp32_arm(p), **front_ends)
-    ms = {name: triton.testing.do_bench(graphed(fn), warmup=args.warmup_ms, rep=args.rep_ms,
-                                        return_mode="median") for name, fn in arms.items()}
-    from cake_sp.kernels import _config
-
+    picked = picked_arm(p)
+    mainloops = list(args.mainloops)
+    if picked.startswith("producer_") and picked[len("producer_"):] not in mainloops:
+        mainloops.append(picked[len("producer_"):])
+    front_ends, eager_check = checked_front_ends(p, check_rows, mainloops)
+    samples = timed(dict(cublas=cublas, cublas_fp32=cublas_fp32_arm(p), **front_ends), args)
+    ms = {name: statistics.median(v) for name, v in samples.items()}
+    engines = [*(f"producer_{m}" for m in mainloops), "cublas_engine"]
     flop = 2 * rows * p["weight"].shape[0] * hidden
-    first = _producer_arm_names(args.mainloops)[0]
-    picked = _config.producer_engine(rows, on_gpu=True)  # what the session's "auto" runs
     return dict(world=world, hidden=hidden, seq_global=seq_global, rows=rows,
-                q_heads=p["plan"].num_q_heads, kv_heads=NUM_KV_HEADS, ms=ms,
-                over_cublas={a: ms[a] / ms["cublas"]
-                             for a in [*_producer_arm_names(args.mainloops), "cublas_engine"]},
+                q_heads=p["plan"].num_q_heads, kv_heads=p["plan"].num_kv_heads, ms=ms,
+                samples=samples, over_cublas={a: ms[a] / ms["cublas"] for a in engines},
                 eager_check=eager_check, picked=picked,
-                picked_over_cublas=ms["cublas_engine" if picked == "cublas" else first]
-                / ms["cublas"],
-                eager_over_producer=ms["eager"] / ms[first],
-                producer_tflops=flop / ms[first] / 1e9,
-                cublas_tflops=flop / ms["cublas"] / 1e9)
+                picked_over_cublas=ms[picked] / ms["cublas"],
+                picked_over_best=ms[picked] / min(ms[a] for a in engines),
+                eager_over_picked=ms["eager"] / ms[picked],
+                picked_tflops=flop / ms[picked] / 1e9, cublas_tflops=flop / ms["cublas"] / 1e9)
 
 
 def markdown(rows: list[dict]) -> str:
-    arms = list(rows[0]["ms"]) if rows else []
-    producers = list(rows[0]["over_cublas"]) if rows else []
-    head = (["W", "hidden", "S_global", "rows"] + [f"{a} ms" for a in arms]
-            + [f"{a} / cublas" for a in producers]
-            + ["table picks", "picked / cublas", "eager / producer", "producer TFLOP/s",
-               "cublas TFLOP/s"])
+    engines = list(rows[0]["over_cublas"]) if rows else []
+    head = (["W", "hidden", "Hq/Hkv", "S_global", "rows", "cublas ms"]
+            + [f"{a} / cublas" for a in engines]
+            + ["picked", "picked / cublas", "picked / best", "eager / picked",
+               "picked TFLOP/s", "cublas TFLOP/s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = ([r["world"], r["hidden"], r["seq_global"], r["rows"]]
-                 + [f"{r['ms'][a]:.3f}" for a in arms]
-                 + [f"{r['over_cublas'][a]:.3f}" for a in producers]
+        cells = ([r["world"], r["hidden"], f"{r['q_heads']}/{r['kv_heads']}", r["seq_global"],
+                  r["rows"], f"{r['ms']['cublas']:.3f}"]
+                 + [f"{r['over_cublas'].get(a, float('nan')):.3f}" for a in engines]
                  + [r["picked"], f"{r['picked_over_cublas']:.3f}",
-                    f"{r['eager_over_producer']:.2f}",
-                    f"{r['producer_tflops']:.0f}", f"{r['cublas_tflops']:.0f}"])
+                    f"{r['picked_over_best']:.3f}", f"{r['eager_over_picked']:.2f}",
+                    f"{r['picked_tflops']:.0f}", f"{r['cublas_tflops']:.0f}"])
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 

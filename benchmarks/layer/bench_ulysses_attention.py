@@ -259,7 +259,9 @@ def run_row(shape: Shape, modes, group, control, device, peers, rounds,
         results.append({
             "hidden": shape.hidden, "hq": hq, "hkv": hkv, "seq_global": shape.seq_global,
             "world": shape.world, "mode": mode, "backend": ours.backend,
-            "engine": _config.producer_engine(shape.seq_local, True),
+            "engine": _config.producer_engine(
+                shape.seq_local, hq + 2 * hkv, HEAD_DIM,
+                torch.cuda.get_device_properties(device).multi_processor_count, True),
             "cake_sp_buffer_mb": ours.buffer_bytes / 2**20,
             "variant_buffer_mb": {f"cake_sp_{n}": m.buffer_bytes / 2**20
                                   for n, m in extra.items()},

@@ -115,7 +115,7 @@ class NcclExchange:
         self._producer(call, dest=dest, dest_table=table, dest_seq_offset=0, eps=self._eps,
                        rope_style=self._rope_style, signals=None,
                        bad_positions=self._bad_positions.count,
-                       block_m=_config.producer_block_m(self._plan.head_dim),
+                       block_m=_config.PRODUCER_BLOCK_M,
                        projection=projection)
 
     def check(self) -> None:

@@ -75,8 +75,11 @@ FRONT_END_BACKWARD_BLOCK_M: int = 32
 FRONT_END_BACKWARD_NUM_WARPS: int = 4
 
 # -- producer.py --------------------------------------------------------------
-# Rows per tile: see producer_block_m.  Readiness words are kept per row block,
-# so the session builds its ReadinessLayout with the block_m it launches with.
+# Rows per readiness word: the launchers' default ``block_m`` and the session's, whose
+# consumers wait for row blocks of this many rows.  It is the warp-specialised kernel's
+# epilogue chunk (PRODUCER_WS_CHUNK_M), so one readiness layout serves every mainloop and
+# engine: a tile of more rows (producer_tile_m) raises one word per block it holds.
+PRODUCER_BLOCK_M: int = 64
 # Reduction step of the GEMM mainloop (the largest of these dividing hidden).
 PRODUCER_BLOCK_K_CHOICES: tuple[int, ...] = (64, 32, 16)
 PRODUCER_NUM_WARPS: int = 8
@@ -90,39 +93,58 @@ PRODUCER_NUM_STAGES: int = 4
 PRODUCER_GROUP_HEADS: int = 16
 # Grid of the persistent producer in the interpreter (no SMs to count there).
 PRODUCER_INTERPRET_PROGRAMS: int = 2
-# Mainloops in order of preference; the launcher takes the first the device and the
-# head size allow (producer.MAINLOOPS says what each needs).
-PRODUCER_MAINLOOPS: tuple[str, ...] = ("tma", "pointer")
-# The session's producer engine per call shape (session/producer.py): rows of
-# ``(most rows, engine)`` looked up in order by the call's rows (``B * S_local``); the last
-# row takes every larger call.  On an H200 (docs/results.md, "Producer engines"; hidden
-# 3072-8192, GQA 8 K/V heads, D = 128) the cuBLAS engine took 0.76-0.99x the fused
-# kernel's time at 512 rows, and 1.01-1.14x at 2,048 rows and more.
-PRODUCER_ENGINE_TABLE: tuple[tuple[int, str], ...] = ((512, "cublas"), (2**62, "fused"))
+# Mainloops in order of preference; the launcher takes the first the device, the head
+# size and the call allow (producer.MAINLOOPS says what each needs; producer_mainloop).
+PRODUCER_MAINLOOPS: tuple[str, ...] = ("warp_specialized", "tma", "pointer")
+# The warp-specialised mainloop by default only from this many rows: on an H200 it took
+# 1.06-1.19x the TMA mainloop's time at 512 rows, 1.01-1.03x at 1,024 and 0.92-1.01x at
+# 2,048 and more (docs/results.md, "The warp-specialised producer as the default").
+PRODUCER_WS_MIN_ROWS: int = 2048
+# The session's producer engine per call shape (session/producer.py, producer_engine).  Above
+# PRODUCER_CUBLAS_MAX_ROWS rows the fused kernel; up to it, the fused kernel only when its
+# persistent grid's (tile, head) tiles fill their last wave of SMs to PRODUCER_FUSED_MIN_FILL
+# or more, else the cuBLAS engine.  On an H200 (docs/results.md, same section; hidden
+# 3072-8192, 8 K/V heads, D = 128, 132 SMs) this rule picks the faster engine on all 8 rows
+# of 512 and 1,024 rows: the fused kernel won at fills of 0.97 (by 7-8 %), cuBLAS at fills
+# of 0.61-0.81 (by 2-35 %); from 2,048 rows the fused kernel won every row.
+PRODUCER_CUBLAS_MAX_ROWS: int = 1024
+PRODUCER_FUSED_MIN_FILL: float = 0.9
 
 
-def producer_engine(rows: int, on_gpu: bool) -> str:
-    """The engine for a session call of ``rows`` rows (the CPU interpreter: the fused one)."""
-    if not on_gpu:
+# Overrides of the engine choice and of the default mainloop, for tests and tuning, read
+# once from the environment (spawned ranks inherit them): CAKE_SP_PRODUCER_ENGINE ("fused"
+# or "cublas") replaces producer_engine's choice for a session built with engine="auto";
+# CAKE_SP_PRODUCER_MAINLOOP (a name in producer.MAINLOOPS) is the default mainloop wherever
+# the device and the call allow it.
+PRODUCER_ENGINE_OVERRIDE: str | None = os.environ.get("CAKE_SP_PRODUCER_ENGINE") or None
+PRODUCER_MAINLOOP_OVERRIDE: str | None = os.environ.get("CAKE_SP_PRODUCER_MAINLOOP") or None
+
+
+def producer_engine(rows: int, total_heads: int, head_dim: int, num_sms: int,
+                    on_gpu: bool) -> str:
+    """The engine (``"fused"`` or ``"cublas"``) for a session call of ``rows`` rows of
+    ``total_heads = Hq + 2 * Hkv`` heads of ``head_dim`` on a GPU of ``num_sms`` SMs (the
+    CPU interpreter: the fused one); see ``PRODUCER_CUBLAS_MAX_ROWS``."""
+    if not on_gpu or rows > PRODUCER_CUBLAS_MAX_ROWS:
         return "fused"
-    for most_rows, engine in PRODUCER_ENGINE_TABLE:
-        if rows <= most_rows:
-            return engine
-    return PRODUCER_ENGINE_TABLE[-1][1]
+    tiles = -(-rows // producer_tile_m(head_dim, PRODUCER_BLOCK_M)) * total_heads
+    waves = -(-tiles // num_sms)
+    return "fused" if tiles >= PRODUCER_FUSED_MIN_FILL * waves * num_sms else "cublas"
 
 
-# The warp-specialised kernel (producer_ws.py).  Its epilogue works in 64-row chunks,
-# each a readiness row block (the launcher's block_m).  Two tile shapes:
-# * fp32 hand-off (any norm setting): 128-row tiles, one wgmma warpgroup; ring slots
+# The warp-specialised kernel (producer_ws.py): two MMA warpgroups (a partition each, taking
+# half of every tile's rows), a one-warp TMA loader, and an epilogue partition working in
+# 64-row chunks, each one readiness word of PRODUCER_BLOCK_M rows or several.  Two tile shapes:
+# * fp32 hand-off (any norm setting): 128-row tiles (64 rows a warpgroup); ring slots
 #   of a 128 x 64 + D x 64 bf16 block pair (4 x 32 KiB at D = 128) beside the 64 KiB
-#   fp32 tile; 168 MMA registers leave 152 to 8 epilogue warps, no spills (sm_90a,
-#   ptxas).  On an H200 (sweep 7) 8 heads per tile group took 1-11 % less time than
-#   16; 5 stages, 3 stages and two MMA warpgroups of 64 rows took more.
+#   fp32 tile; 104 MMA registers leave 132 to 8 epilogue warps, no spills (sm_90a,
+#   ptxas).  8 heads per tile group (sweep 7 of docs/results/producer_and_fmha_sweeps_h200.md).
 # * norm in the MMA warps (both norm weights given, PRODUCER_WS_NORM_IN_MMA): 256-row
-#   tiles, two warpgroups, a bf16 hand-off (64 KiB) beside 3 ring slots of 48 KiB;
-#   168 MMA registers leave 136 to 4 epilogue warps, no spills.  On an H200 (sweep 8 of
-#   docs/results/producer_and_fmha_sweeps_h200.md) 0.88-1.01x the TMA mainloop's time at
-#   2,048 rows and more, 1.05-1.20x at 512: not yet the default.
+#   tiles, a bf16 hand-off (64 KiB) beside 3 ring slots of 48 KiB; 168 MMA registers
+#   leave 136 to 4 epilogue warps, no spills.
+# On an H200 (docs/results.md, "The warp-specialised producer as the default") the
+# 256-row kernel took 1.02-1.35x cuBLAS's time at 2,048 rows and more (geometric mean
+# 1.13 over 30 rows), where the TMA mainloop took 1.10-1.39x (1.18).
 PRODUCER_WS_CHUNK_M: int = 64
 PRODUCER_WS_NORM_IN_MMA: bool = True
 
@@ -130,17 +152,17 @@ PRODUCER_WS_NORM_IN_MMA: bool = True
 @dataclass(frozen=True)
 class WsTile:
     """One tile shape of the warp-specialised producer (see above): rows per tile, ring
-    slots, MMA warps and their register budget, and the epilogue partition's warps."""
+    slots, the register budget of each of its two MMA warpgroups, and the epilogue
+    partition's warps."""
 
     tile_m: int
     stages: int
-    mma_warps: int
     mma_regs: int
     epilogue_warps: int
 
 
-PRODUCER_WS_TILE = WsTile(tile_m=128, stages=4, mma_warps=4, mma_regs=168, epilogue_warps=8)
-PRODUCER_WS_NORM_TILE = WsTile(tile_m=256, stages=3, mma_warps=8, mma_regs=168,
+PRODUCER_WS_TILE = WsTile(tile_m=128, stages=4, mma_regs=104, epilogue_warps=8)
+PRODUCER_WS_NORM_TILE = WsTile(tile_m=256, stages=3, mma_regs=168,
                                epilogue_warps=4)
 PRODUCER_WS_LOADER_REGS: int = 40
 PRODUCER_WS_GROUP_HEADS: int = 8
@@ -193,10 +215,23 @@ def append_clear_pairs(page_size: int, num_kv_heads: int) -> int:
     return 32 if num_kv_heads > 1 else 64
 
 
-def producer_block_m(head_dim: int, mainloop: str | None = None) -> int:
-    """Rows per producer tile (one head of ``head_dim`` columns) for ``mainloop``.
+def producer_mainloop(allowed: tuple[str, ...] | list[str], rows: int) -> str:
+    """The default mainloop for a call of ``rows`` rows, among the ``allowed`` ones (what the
+    device and the call's shape permit): the first of ``PRODUCER_MAINLOOPS``, the
+    warp-specialised one only from ``PRODUCER_WS_MIN_ROWS`` rows; ``PRODUCER_MAINLOOP_OVERRIDE``
+    where it is allowed."""
+    if PRODUCER_MAINLOOP_OVERRIDE in allowed:
+        return PRODUCER_MAINLOOP_OVERRIDE
+    for mainloop in PRODUCER_MAINLOOPS:
+        if mainloop in allowed and (mainloop != "warp_specialized"
+                                    or rows >= PRODUCER_WS_MIN_ROWS):
+            return mainloop
+    raise ValueError(f"producer_mainloop: none of {PRODUCER_MAINLOOPS} is in {list(allowed)}")
 
-    The warp-specialised mainloop takes ``PRODUCER_WS_CHUNK_M``.  The others:
+
+def producer_tile_m(head_dim: int, block_m: int) -> int:
+    """Rows per tile (one head of ``head_dim`` columns) of the ``tl.dot`` producer kernel and
+    of the cuBLAS engine's epilogue, at least the ``block_m`` rows of a readiness word.
 
     256 rows with ``D <= 128``: a 256 x 128 tile reads 25 % fewer operand bytes
     per FLOP than a 128 x 128 one; with four stages it took the producer on an
@@ -204,8 +239,6 @@ def producer_block_m(head_dim: int, mainloop: str | None = None) -> int:
     64 rows, the largest tile whose epilogue does not spill.  The CPU
     interpreter takes 128, so small tests stay one tile and fast.
     """
-    if mainloop == "warp_specialized":
-        return PRODUCER_WS_CHUNK_M
     if INTERPRET:
-        return 128
-    return 64 if head_dim > 128 else 256
+        return max(128, block_m)
+    return max(64 if head_dim > 128 else 256, block_m)

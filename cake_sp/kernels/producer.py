@@ -21,7 +21,8 @@ rank's own send buffer on the NCCL path.
 With ``signals`` the kernel also runs its half of the NVLink protocol (see
 :mod:`cake_sp.kernels.signals`): before its first store to rank ``d`` a program
 waits for ``d`` to have entered the call, and after each tile stored at ``d``
-it raises ``d``'s readiness word for (source, row block, local head).
+it raises ``d``'s readiness words for (source, row block, local head), a row
+block being the launcher's ``block_m`` rows (a tile holds one or several).
 
 The grid is persistent: ``min(tiles, SMs)`` programs walk the tiles in groups
 of ``GROUP_HEADS`` heads (the weights of a group stay in L2 while the row blocks
@@ -32,11 +33,10 @@ tile's fp32 accumulator (``mainloop=``, ``MAINLOOPS``): ``tl.dot`` over pointer
 loads (any target, the CPU interpreter) or over host-built tensor descriptors
 (TMA, sm_90+), both in this module's kernel, and a warp-specialised Gluon kernel
 (``producer_ws.py``, sm_90).  All three finish the tile with
-``producer_epilogue.deliver_tile``.  On an H200, with both norm weights, the
-warp-specialised kernel's 256-row tiles take 0.88-1.01x TMA's time at 2,048 rows
-and more but up to 1.20x at 512 (docs/results/producer_and_fmha_sweeps_h200.md,
-sweep 8), so the default stays TMA, and the session does not take it yet (its tests with
-the session so far cover only part of the session suite, docs/results.md).
+``producer_epilogue.deliver_tile``.  On an H200 the warp-specialised kernel took
+0.92-1.01x the TMA mainloop's time at 2,048 rows and more, 1.01-1.03x at 1,024 and
+1.06-1.19x at 512 (docs/results.md), so it is the default on sm_90 from
+``_config.PRODUCER_WS_MIN_ROWS`` rows (``_config.producer_mainloop``).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _produce_tile(tile, entered, failed, row_blocks, x_src, w_src, rows, inputs,
                   BLOCK_K: tl.constexpr, GROUP_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr,
                   HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
                   HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr, SIGNAL: tl.constexpr,
-                  USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
+                  READY_M: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
     """Compute one tile and store it at every destination; returns the updated
     bit sets of ranks seen entered / given up on by this program."""
     row_block, head = tile_coords(tile, row_blocks, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK,
@@ -129,7 +129,7 @@ def _produce_tile(tile, entered, failed, row_blocks, x_src, w_src, rows, inputs,
         acc, row_block, head, row0 + tl.arange(0, BLOCK_M).to(tl.int64), tl.arange(0, D),
         tl.arange(0, D // 2), entered, failed, rows, inputs, dest, signals, NUM_Q_HEADS,
         NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM,
-        HAS_K_NORM, HAS_POSITIONS, ROPE_STYLE, SIGNAL, False, INTERPRET)
+        HAS_K_NORM, HAS_POSITIONS, ROPE_STYLE, SIGNAL, READY_M, False, INTERPRET)
 
 
 @triton.jit
@@ -147,7 +147,7 @@ def _qkv_produce_kernel(x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
                         GROUP_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
                         HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr,
-                        SIGNAL: tl.constexpr, USE_TMA: tl.constexpr,
+                        SIGNAL: tl.constexpr, READY_M: tl.constexpr, USE_TMA: tl.constexpr,
                         INTERPRET: tl.constexpr):
     row_blocks = tl.cdiv(rows, BLOCK_M)
     num_tiles = row_blocks * (NUM_Q_HEADS + 2 * NUM_KV_HEADS)
@@ -172,7 +172,7 @@ def _qkv_produce_kernel(x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
                 tile, entered, failed, row_blocks, x_src, w_src, rows, inputs, dest, signals,
                 HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D,
                 BLOCK_M, BLOCK_K, GROUP_HEADS, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM, HAS_POSITIONS,
-                ROPE_STYLE, SIGNAL, USE_TMA, INTERPRET)
+                ROPE_STYLE, SIGNAL, READY_M, USE_TMA, INTERPRET)
             tile += tl.num_programs(0)
     else:
         # tl.range, not the while loop: it compiles differently, it measured 3-4 %
@@ -186,7 +186,7 @@ def _qkv_produce_kernel(x_src, w_src, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
                 tile, entered, failed, row_blocks, x_src, w_src, rows, inputs, dest, signals,
                 HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D,
                 BLOCK_M, BLOCK_K, GROUP_HEADS, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM, HAS_POSITIONS,
-                ROPE_STYLE, SIGNAL, USE_TMA, INTERPRET)
+                ROPE_STYLE, SIGNAL, READY_M, USE_TMA, INTERPRET)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -221,15 +221,17 @@ def signal_args(signals: ProducerSignals | None) -> tuple:
 
 
 def epilogue_constants(plan: HeadPlan, qkv_bias, q_norm_weight, k_norm_weight, positions,
-                       rope_style: str | int, signals: ProducerSignals | None) -> dict:
-    """The compile-time switches of ``producer_epilogue.deliver_tile`` for one launch."""
+                       rope_style: str | int, signals: ProducerSignals | None,
+                       block_m: int) -> dict:
+    """The compile-time switches of ``producer_epilogue.deliver_tile`` for one launch
+    (``block_m``: rows per readiness word)."""
     return dict(
         NUM_Q_HEADS=plan.num_q_heads, NUM_KV_HEADS=plan.num_kv_heads,
         Q_PER_RANK=plan.q_per_rank, KV_PER_RANK=plan.kv_per_rank,
         KV_REPLICAS=plan.kv_replicas, D=plan.head_dim,
         HAS_BIAS=qkv_bias is not None, HAS_Q_NORM=q_norm_weight is not None,
         HAS_K_NORM=k_norm_weight is not None, HAS_POSITIONS=positions is not None,
-        ROPE_STYLE=_rope_code(rope_style), SIGNAL=signals is not None,
+        ROPE_STYLE=_rope_code(rope_style), SIGNAL=signals is not None, READY_M=block_m,
         num_warps=_config.PRODUCER_NUM_WARPS)
 
 
@@ -237,17 +239,17 @@ def _nvmma_layout(rows: int, block_k: int):
     return gl.NVMMASharedLayout.get_default_for([rows, block_k], gl.bfloat16)
 
 
-def _choose_mainloop(mainloop: str | None, x: torch.Tensor, qkv_weight: torch.Tensor, d: int,
-                     block_m: int, on_gpu: bool) -> str:
+def choose_mainloop(mainloop: str | None, x: torch.Tensor, qkv_weight: torch.Tensor, d: int,
+                    block_m: int, on_gpu: bool) -> str:
     """The mainloop to launch: ``mainloop`` checked, or the default (see the launcher)."""
     allowed = ["pointer"]
     if _config.INTERPRET or (on_gpu and _config.tma_supported(x.device.index)):
         allowed.append("tma")  # the interpreter emulates tensor descriptors
     if (qkv_produce_ws_kernel is not None and on_gpu and _config.wgmma_supported(x.device.index)
-            and d in WS_HEAD_DIMS and block_m == _config.PRODUCER_WS_CHUNK_M):
+            and d in WS_HEAD_DIMS and block_m <= _config.PRODUCER_WS_CHUNK_M):
         allowed.append("warp_specialized")
     if mainloop is None:
-        mainloop = next(m for m in _config.PRODUCER_MAINLOOPS if m in allowed)
+        mainloop = _config.producer_mainloop(allowed, x.shape[0])
     elif mainloop not in allowed:
         raise ValueError(f"qkv_norm_rope_produce: mainloop must be one of {allowed} here "
                          f"(device {x.device}, head_dim {d}, block_m {block_m}), "
@@ -389,16 +391,19 @@ def qkv_norm_rope_produce(
         ``bad_positions[0]`` (the session reads it later without waiting for the GPU).
         Such a row reads nothing outside ``cos_sin`` and rotates by cos = sin = 0.
     block_m : int or None
-        Rows per tile, default ``_config.producer_block_m(D, mainloop)``; the readiness layout and
-        :func:`signals.wait_ready` must use the same.
+        Rows per readiness word (a power of two in [16, 256]), default
+        ``_config.PRODUCER_BLOCK_M``; the readiness layout and :func:`signals.wait_ready` must
+        use the same.  The ``tl.dot`` mainloops take tiles of
+        ``_config.producer_tile_m(D, block_m)`` rows, the warp-specialised one needs
+        ``block_m <= 64``.
     num_sms : int or None
         Programs of the persistent grid; default the device's SM count.
     mainloop : str or None
         The GEMM mainloop (``MAINLOOPS``): ``"pointer"`` (pointer loads; any target and
         the CPU interpreter), ``"tma"`` (``tl.dot`` over tensor descriptors, sm_90+),
-        ``"warp_specialized"`` (``producer_ws``: a TMA loader warp, a ``wgmma`` warpgroup and
-        epilogue warps, sm_90 only, ``D`` of 64 or 128, ``block_m`` 64).  Default: the first of
-        ``_config.PRODUCER_MAINLOOPS`` the device and shape allow.  Both TMA
+        ``"warp_specialized"`` (``producer_ws``: a TMA loader warp, two ``wgmma`` warpgroups
+        and epilogue warps, sm_90 only, ``D`` of 64 or 128, ``block_m`` at most 64).  Default:
+        ``_config.producer_mainloop`` of those the device and shape allow.  Both TMA
         mainloops need 16-byte aligned ``x`` and ``qkv_weight``.
     validate : bool
         Check every argument before launching (default).  The session passes False:
@@ -411,8 +416,8 @@ def qkv_norm_rope_produce(
     """
     if isinstance(positions, torch.Tensor) and positions.is_contiguous():
         positions = positions.view(-1)
-    if block_m is None and isinstance(plan, HeadPlan):
-        block_m = _config.producer_block_m(plan.head_dim, mainloop)
+    if block_m is None:
+        block_m = _config.PRODUCER_BLOCK_M
     if validate:
         check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
                               positions, plan, dest, dest_table, seq_local, dest_seq_offset,
@@ -421,7 +426,7 @@ def qkv_norm_rope_produce(
     d = plan.head_dim
     block_k = _block_k(hidden)
     on_gpu = x.device.type == "cuda" and not _config.INTERPRET
-    mainloop = _choose_mainloop(mainloop, x, qkv_weight, d, block_m, on_gpu)
+    mainloop = choose_mainloop(mainloop, x, qkv_weight, d, block_m, on_gpu)
     if num_sms is None:
         num_sms = _sm_count(x.device.index) if on_gpu else _config.PRODUCER_INTERPRET_PROGRAMS
     epoch, enter, word_table, status, source_rank, max_row_blocks, timeout_ns = \
@@ -434,7 +439,7 @@ def qkv_norm_rope_produce(
             source_rank, max_row_blocks, timeout_ns)
     constants = dict(HIDDEN=hidden, BLOCK_K=block_k,
                      **epilogue_constants(plan, qkv_bias, q_norm_weight, k_norm_weight,
-                                          positions, rope_style, signals))
+                                          positions, rope_style, signals, block_m))
     if mainloop == "warp_specialized":
         norm_in_mma = (_config.PRODUCER_WS_NORM_IN_MMA and q_norm_weight is not None
                        and k_norm_weight is not None)
@@ -446,18 +451,19 @@ def qkv_norm_rope_produce(
         qkv_produce_ws_kernel[_persistent_grid(rows, tile.tile_m, plan, num_sms)](
             x_desc, w_desc, *args, **{**constants, "num_warps": tile.epilogue_warps},
             GROUP_HEADS=min(_config.PRODUCER_WS_GROUP_HEADS, plan.total_heads),
-            TILE_M=tile.tile_m, CHUNK_M=block_m, NORM_IN_MMA=norm_in_mma, STAGES=tile.stages,
-            MMA_WARPS=tile.mma_warps, MMA_REGS=tile.mma_regs,
+            TILE_M=tile.tile_m, CHUNK_M=_config.PRODUCER_WS_CHUNK_M, NORM_IN_MMA=norm_in_mma,
+            STAGES=tile.stages, MMA_REGS=tile.mma_regs,
             LOADER_REGS=_config.PRODUCER_WS_LOADER_REGS)
         return
     use_tma = mainloop == "tma"
+    tile_m = _config.producer_tile_m(d, block_m)
     if use_tma:
-        x_src = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k])
+        x_src = TensorDescriptor(x, list(x.shape), list(x.stride()), [tile_m, block_k])
         w_src = TensorDescriptor(qkv_weight, list(qkv_weight.shape), list(qkv_weight.stride()),
                                  [d, block_k])
     else:
         x_src, w_src = x, qkv_weight
-    _qkv_produce_kernel[_persistent_grid(rows, block_m, plan, num_sms)](
-        x_src, w_src, *args, **constants, BLOCK_M=block_m,
+    _qkv_produce_kernel[_persistent_grid(rows, tile_m, plan, num_sms)](
+        x_src, w_src, *args, **constants, BLOCK_M=tile_m,
         GROUP_HEADS=min(_config.PRODUCER_GROUP_HEADS, plan.total_heads), USE_TMA=use_tma,
         INTERPRET=_config.INTERPRET, num_stages=_config.PRODUCER_NUM_STAGES)

@@ -48,7 +48,8 @@ def _deliver_projection_kernel(p_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
                                BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
                                HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
                                HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr,
-                               SIGNAL: tl.constexpr, INTERPRET: tl.constexpr):
+                               SIGNAL: tl.constexpr, READY_M: tl.constexpr,
+                               INTERPRET: tl.constexpr):
     """One program per (row block, head) tile; within a row block consecutive programs take
     heads bound for different ranks (``tile_coords`` with one group of every head)."""
     TOTAL_HEADS: tl.constexpr = NUM_Q_HEADS + 2 * NUM_KV_HEADS
@@ -72,7 +73,7 @@ def _deliver_projection_kernel(p_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
          head_stride_v),
         (epoch, enter_ptr, word_table_ptr, status_ptr, source_rank, max_row_blocks, timeout_ns),
         NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D, BLOCK_M, HAS_BIAS,
-        HAS_Q_NORM, HAS_K_NORM, HAS_POSITIONS, ROPE_STYLE, SIGNAL, False, INTERPRET)
+        HAS_Q_NORM, HAS_K_NORM, HAS_POSITIONS, ROPE_STYLE, SIGNAL, READY_M, False, INTERPRET)
 
 
 def project_fp32(x: torch.Tensor, qkv_weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -119,8 +120,8 @@ def qkv_norm_rope_produce_cublas(
     """
     if isinstance(positions, torch.Tensor) and positions.is_contiguous():
         positions = positions.view(-1)
-    if block_m is None and isinstance(plan, HeadPlan):
-        block_m = _config.producer_block_m(plan.head_dim)
+    if block_m is None:
+        block_m = _config.PRODUCER_BLOCK_M
     rows, _ = x.shape
     n = plan.total_heads * plan.head_dim
     if validate:
@@ -139,13 +140,14 @@ def qkv_norm_rope_produce_cublas(
     epoch, enter, word_table, status, source_rank, max_row_blocks, timeout_ns = \
         signal_args(signals)
     constants = epilogue_constants(plan, qkv_bias, q_norm_weight, k_norm_weight, positions,
-                                   rope_style, signals)
+                                   rope_style, signals, block_m)
     project_fp32(x, qkv_weight, workspace)
-    row_blocks = triton.cdiv(rows, block_m)
+    tile_m = _config.producer_tile_m(plan.head_dim, block_m)
+    row_blocks = triton.cdiv(rows, tile_m)
     _deliver_projection_kernel[(row_blocks * plan.total_heads,)](
         workspace, qkv_bias, q_norm_weight, k_norm_weight, cos_sin, positions, bad_positions,
         dest_table, epoch, enter, word_table, status, rows, row_blocks, cos_sin.stride(0),
         cos_sin.shape[0], eps, seq_local, dest.seq_len, dest_seq_offset, *dest.region_offset,
         *dest.token_stride, *dest.head_stride, source_rank, max_row_blocks, timeout_ns,
-        BLOCK_M=block_m, INTERPRET=_config.INTERPRET, **constants)
+        BLOCK_M=tile_m, INTERPRET=_config.INTERPRET, **constants)
     return workspace

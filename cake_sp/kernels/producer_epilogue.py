@@ -135,11 +135,16 @@ def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed,
                  KV_REPLICAS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
                  HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr, SIGNAL: tl.constexpr,
-                 GLUON: tl.constexpr, INTERPRET: tl.constexpr, NORMALIZED: tl.constexpr = False):
+                 READY_M: tl.constexpr, GLUON: tl.constexpr, INTERPRET: tl.constexpr,
+                 NORMALIZED: tl.constexpr = False):
     """Finish tile (``row_block``, ``head``) from its fp32 accumulator and store it at every
     destination; returns the updated bit sets of ranks seen entered / given up on by
     this program (``offs_m`` int64 source rows of the tile, ``cols``/``half_cols``
-    ``arange(D)``/``arange(D/2)`` in layouts matching ``acc``).  The kernel's arguments
+    ``arange(D)``/``arange(D/2)`` in layouts matching ``acc``).
+
+    Readiness words count ``READY_M`` rows (the launcher's ``block_m``, dividing
+    ``BLOCK_M``): the tile raises the word of every such block it has rows in, at every
+    destination, after its stores there.  The kernel's arguments
     arrive in three tuples, unpacked below in their order: ``inputs`` what the epilogue
     reads (bias, norm weights, RoPE table, positions, eps), ``dest`` where it writes,
     ``signals`` the readiness protocol."""
@@ -166,8 +171,13 @@ def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed,
                                                                 head_stride_v)))
     offs = row_off[:, None] + cols[None, :]
     HEADS_PER_RANK: tl.constexpr = Q_PER_RANK + 2 * KV_PER_RANK
-    word_index = ((source_rank * max_row_blocks + row_block) * HEADS_PER_RANK + local
-                  + tl.where(is_q, 0, tl.where(is_k, Q_PER_RANK, Q_PER_RANK + KV_PER_RANK)))
+    head_word = local + tl.where(is_q, 0, tl.where(is_k, Q_PER_RANK, Q_PER_RANK + KV_PER_RANK))
+    # The tile's readiness blocks: WORDS of them, the ones past the call's rows without a word.
+    tl.static_assert(BLOCK_M % READY_M == 0, "a tile holds whole readiness blocks")
+    WORDS: tl.constexpr = BLOCK_M // READY_M
+    row0 = row_block * BLOCK_M
+    first_word = (source_rank * max_row_blocks + row0 // READY_M) * HEADS_PER_RANK + head_word
+    words_raised = tl.minimum(WORDS, tl.cdiv(rows - row0, READY_M))
 
     for rep in range(KV_REPLICAS):
         if rep < replicas:
@@ -193,5 +203,7 @@ def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed,
                 tl.store(ptrs, out, mask=row_ok[:, None])
                 if SIGNAL:
                     words = tl.load(word_table_ptr + rank).to(tl.pointer_type(tl.int64))
-                    publish(words + word_index, epoch)
+                    for w in tl.static_range(WORDS):
+                        if w < words_raised:
+                            publish(words + first_word + w * HEADS_PER_RANK, epoch)
     return entered, failed

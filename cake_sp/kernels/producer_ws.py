@@ -8,24 +8,28 @@ it out in three partitions over ``[TILE_M, D]`` tiles:
 * *loader* (one warp): walks this program's tiles and streams the ``x`` and
   ``qkv_weight`` blocks by TMA into a ring of ``STAGES`` shared-memory slots
   (``ready`` / ``empty`` mbarriers), running ahead across tile boundaries;
-* *MMA* (``MMA_WARPS``): async ``wgmma`` over the ring with one group in
-  flight, then writes the accumulator to a shared-memory tile (``acc_full`` /
-  ``acc_empty`` mbarriers) and starts the next tile's MMAs;
+* *MMA* (two partitions of one warpgroup each, taking the upper and lower half
+  of every tile's rows): async ``wgmma`` over the ring with one group in flight,
+  then writes its half of the accumulator to a shared-memory tile (``acc_full`` /
+  ``acc_empty`` mbarriers) and starts the next tile's MMAs.  Each warpgroup
+  releases ring slots and hands over its rows on its own (those barriers count two
+  arrivals): as one partition of eight warps, a CTA barrier tied the warpgroups
+  together at every K step, which cost up to 5 % on an H200 (docs/results.md);
 * *epilogue* (the launch's warps, the default partition): reads the tile back
   in ``CHUNK_M``-row chunks in a blocked layout and runs
   :func:`producer_epilogue.deliver_tile` on each (norm weight, RoPE, 16-byte
-  stores at every destination, one readiness word per chunk and destination)
+  stores at every destination, the readiness words of ``READY_M`` rows)
   while the MMA warps compute the next tile.
 
 The hand-off comes in two shapes (``_config.WsTile``).  In general the fp32
 accumulator goes through shared memory, because the contract normalises the
-unrounded projection: 128-row tiles, one MMA warpgroup.  When both norm
-weights are given (``NORM_IN_MMA``), the MMA warps add the bias and take each
-Q/K row's RMS in the wgmma layout themselves, and hand over the bf16 tile the
-contract rounds to at that point anyway (V rows: their bf16 output): half the
-bytes, so 256-row tiles over two warpgroups fit, which read 25 % fewer operand
-bytes per FLOP.  One buffer is enough: an epilogue takes a small fraction of a
-tile's MMAs.  The launcher picks this kernel for ``mainloop="warp_specialized"``;
+unrounded projection: 128-row tiles.  When both norm weights are given
+(``NORM_IN_MMA``), the MMA warps add the bias and take each Q/K row's RMS in the
+wgmma layout themselves, and hand over the bf16 tile the contract rounds to at
+that point anyway (V rows: their bf16 output): half the bytes, so 256-row tiles
+fit, which read 25 % fewer operand bytes per FLOP.  One buffer is enough: an
+epilogue takes a small fraction of a tile's MMAs.  The launcher takes this kernel
+for ``mainloop="warp_specialized"``, its default on sm_90 (``_config.producer_mainloop``);
 it never runs in the CPU interpreter.
 """
 
@@ -92,20 +96,28 @@ def _mma_tiles(a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_empty, num_
                bias_ptr, eps, NUM_Q_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
                Q_PER_RANK: gl.constexpr, KV_PER_RANK: gl.constexpr, GROUP_HEADS: gl.constexpr,
                K_STEPS: gl.constexpr, D: gl.constexpr, TILE_M: gl.constexpr,
-               STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, NORM_IN_MMA: gl.constexpr):
-    """MMA partition: wgmma over the ring; each finished accumulator into ``acc_smem`` (fp32,
-    or with ``NORM_IN_MMA`` the bias added, Q/K rows normalised, rounded to bf16)."""
+               STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, NORM_IN_MMA: gl.constexpr,
+               CONSUMER: gl.constexpr):
+    """MMA partition ``CONSUMER`` (0 or 1), one warpgroup: wgmma of its half of every tile's
+    rows over the ring; each finished accumulator into its rows of ``acc_smem`` (fp32, or
+    with ``NORM_IN_MMA`` the bias added, Q/K rows normalised, rounded to bf16).
+
+    Each warpgroup releases a ring slot and hands over its rows on its own (those barriers
+    count two arrivals), so the two never wait for each other."""
+    ROWS: gl.constexpr = TILE_M // 2
     layout: gl.constexpr = _mma_layout(D, gl.num_warps())
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    acc = gl.zeros((TILE_M, D), gl.float32, layout)
+    acc = gl.zeros((ROWS, D), gl.float32, layout)
+    my_acc = acc_smem.slice(CONSUMER * ROWS, ROWS)
     count = 0
     for t in range(gl.cdiv(num_tiles - pid, nprog)):
         for kk in range(K_STEPS):
             slot = count % STAGES
             mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc,
+            acc = warpgroup_mma(a_bufs.index(slot).slice(CONSUMER * ROWS, ROWS),
+                                b_bufs.index(slot).permute((1, 0)), acc,
                                 use_acc=kk > 0, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             # The previous step's wgmma has retired in every warp of the group (the
@@ -126,7 +138,7 @@ def _mma_tiles(a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_empty, num_
                 acc = rms_normalize(acc, eps, D)
         # The epilogue has read the previous tile out of the buffer.
         mbarrier.wait(acc_empty, (t & 1) ^ 1)
-        acc_smem.store(acc.to(acc_smem.dtype))
+        my_acc.store(acc.to(acc_smem.dtype))
         gl.thread_barrier()
         mbarrier.arrive(acc_full)
 
@@ -142,12 +154,12 @@ def _epilogue_tiles(acc_smem, acc_full, acc_empty, num_tiles, row_blocks,
                     NUM_Q_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
                     Q_PER_RANK: gl.constexpr, KV_PER_RANK: gl.constexpr,
                     KV_REPLICAS: gl.constexpr, GROUP_HEADS: gl.constexpr, D: gl.constexpr,
-                    TILE_M: gl.constexpr, CHUNK_M: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    HAS_Q_NORM: gl.constexpr, HAS_K_NORM: gl.constexpr,
+                    TILE_M: gl.constexpr, CHUNK_M: gl.constexpr, READY_M: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, HAS_Q_NORM: gl.constexpr, HAS_K_NORM: gl.constexpr,
                     HAS_POSITIONS: gl.constexpr, ROPE_STYLE: gl.constexpr,
                     SIGNAL: gl.constexpr, NORM_IN_MMA: gl.constexpr):
-    """Epilogue partition: each tile out of ``acc_smem`` in ``CHUNK_M``-row chunks, each a
-    readiness row block of its own, through the shared epilogue."""
+    """Epilogue partition: each tile out of ``acc_smem`` in ``CHUNK_M``-row chunks through the
+    shared epilogue, which raises the readiness words of ``READY_M`` rows."""
     layout: gl.constexpr = _epilogue_layout(D, gl.num_warps())
     chunk_rows = gl.arange(0, CHUNK_M, layout=gl.SliceLayout(1, layout)).to(gl.int64)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
@@ -182,7 +194,8 @@ def _epilogue_tiles(acc_smem, acc_full, acc_empty, num_tiles, row_blocks,
                     acc, chunk, head, chunk * CHUNK_M + chunk_rows, cols, half_cols, entered,
                     failed, rows, inputs, dest, signals, NUM_Q_HEADS, NUM_KV_HEADS,
                     Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D, CHUNK_M, HAS_BIAS, HAS_Q_NORM,
-                    HAS_K_NORM, HAS_POSITIONS, ROPE_STYLE, SIGNAL, True, False, NORM_IN_MMA)
+                    HAS_K_NORM, HAS_POSITIONS, ROPE_STYLE, SIGNAL, READY_M, True, False,
+                    NORM_IN_MMA)
         gl.thread_barrier()
         mbarrier.arrive(acc_empty)
 
@@ -204,13 +217,14 @@ def qkv_produce_ws_kernel(x_desc, w_desc, bias_ptr, q_norm_ptr, k_norm_ptr, cos_
                           HAS_Q_NORM: gl.constexpr, HAS_K_NORM: gl.constexpr,
                           HAS_POSITIONS: gl.constexpr, ROPE_STYLE: gl.constexpr,
                           SIGNAL: gl.constexpr, TILE_M: gl.constexpr, CHUNK_M: gl.constexpr,
-                          NORM_IN_MMA: gl.constexpr, STAGES: gl.constexpr,
-                          MMA_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
+                          READY_M: gl.constexpr, NORM_IN_MMA: gl.constexpr,
+                          STAGES: gl.constexpr, MMA_REGS: gl.constexpr,
                           LOADER_REGS: gl.constexpr):
     """``producer._qkv_produce_kernel`` with ``x_desc``/``w_desc`` Gluon tensor descriptors of
     ``[TILE_M, BLOCK_K]`` / ``[D, BLOCK_K]`` blocks (NVMMA shared layouts).  ``CHUNK_M``: rows
-    of a readiness block (the launcher's ``block_m``); ``NORM_IN_MMA`` (both norm weights
-    given): the MMA warps add the bias and normalise, and hand over a bf16 tile."""
+    the epilogue takes at once; ``READY_M``: rows of a readiness word (the launcher's
+    ``block_m``, at most ``CHUNK_M``); ``NORM_IN_MMA`` (both norm weights given): the MMA
+    warps add the bias and normalise, and hand over a bf16 tile."""
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE_M, BLOCK_K], x_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, D, BLOCK_K], w_desc.layout)
     # Rows of 16-byte chunks XOR-swizzled by row: the wgmma layout writes 8 rows at once.
@@ -226,12 +240,13 @@ def qkv_produce_ws_kernel(x_desc, w_desc, bias_ptr, q_norm_ptr, k_norm_ptr, cos_
     acc_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(acc_full, count=1)
+        mbarrier.init(empty.index(i), count=2)
+    mbarrier.init(acc_full, count=2)
     mbarrier.init(acc_empty, count=1)
     row_blocks = gl.cdiv(rows, TILE_M)
     num_tiles = row_blocks * (NUM_Q_HEADS + 2 * NUM_KV_HEADS)
     K_STEPS: gl.constexpr = HIDDEN // BLOCK_K
+    # Two MMA partitions: one per warpgroup, each its half of a tile's rows.
     gl.warp_specialize([
         (_epilogue_tiles, (acc_smem, acc_full, acc_empty, num_tiles, row_blocks,
                            bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, bad_pos_ptr,
@@ -242,13 +257,17 @@ def qkv_produce_ws_kernel(x_desc, w_desc, bias_ptr, q_norm_ptr, k_norm_ptr, cos_
                            head_stride_q, head_stride_k, head_stride_v,
                            source_rank, max_row_blocks, timeout_ns,
                            NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS,
-                           GROUP_HEADS, D, TILE_M, CHUNK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
-                           HAS_POSITIONS, ROPE_STYLE, SIGNAL, NORM_IN_MMA)),
+                           GROUP_HEADS, D, TILE_M, CHUNK_M, READY_M, HAS_BIAS, HAS_Q_NORM,
+                           HAS_K_NORM, HAS_POSITIONS, ROPE_STYLE, SIGNAL, NORM_IN_MMA)),
         (_mma_tiles, (a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_empty, num_tiles,
                       row_blocks, bias_ptr, eps, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK,
                       KV_PER_RANK, GROUP_HEADS, K_STEPS, D, TILE_M, STAGES, HAS_BIAS,
-                      NORM_IN_MMA)),
+                      NORM_IN_MMA, 0)),
+        (_mma_tiles, (a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_empty, num_tiles,
+                      row_blocks, bias_ptr, eps, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK,
+                      KV_PER_RANK, GROUP_HEADS, K_STEPS, D, TILE_M, STAGES, HAS_BIAS,
+                      NORM_IN_MMA, 1)),
         (_load_tiles, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_tiles, row_blocks,
                        NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, GROUP_HEADS, K_STEPS,
                        D, TILE_M, BLOCK_K, STAGES)),
-    ], [MMA_WARPS, 1], [MMA_REGS, LOADER_REGS])
+    ], [4, 4, 1], [MMA_REGS, MMA_REGS, LOADER_REGS])

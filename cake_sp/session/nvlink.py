@@ -46,7 +46,7 @@ class NvlinkExchange:
         self._layout, self._max_tokens = layout, max_tokens
         self._eps, self._rope_style = eps, rope_style
         self._producer = Producer(engine, plan, max_tokens=max_tokens, device=device)
-        self._block_m = _config.producer_block_m(plan.head_dim)
+        self._block_m = _config.PRODUCER_BLOCK_M
         self.channel = NvlinkChannel(
             heap, slot_elements=DestLayout.buffer_elements(plan, max_tokens * plan.world_size),
             num_slots=num_slots, readiness=ReadinessLayout.for_plan(plan, max_tokens,

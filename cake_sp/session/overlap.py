@@ -133,8 +133,8 @@ class QkvNormRopeExchangeOverlap:
         reporting which ranks never arrived (the next call raises).
     engine : {"auto", "fused", "cublas"}
         How the producer computes (``session.producer``): one fused Triton kernel, or
-        cuBLAS then a Triton epilogue; ``"auto"`` picks per call shape from
-        ``_config.PRODUCER_ENGINE_TABLE``.
+        cuBLAS then a Triton epilogue; ``"auto"`` picks per call shape
+        (``_config.producer_engine``).
     save_projection : bool
         Under autograd, keep the projection ``x @ qkv_weight.T`` (fp32, ``rows * (Hq +
         2*Hkv) * D * 4`` bytes a call, until its backward) instead of recomputing its

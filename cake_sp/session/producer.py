@@ -6,7 +6,8 @@ Two engines compute the same contract (``kernels/producer.py``):
 * ``"cublas"``: the projection on cuBLAS into an fp32 workspace, then one Triton
   epilogue kernel (``kernels/producer_cublas.py``).
 
-``"auto"`` takes ``_config.producer_engine``'s choice for the call's shape.  A call
+``"auto"`` takes ``_config.producer_engine``'s choice for the call's shape, or the engine
+named by ``_config.PRODUCER_ENGINE_OVERRIDE`` (``CAKE_SP_PRODUCER_ENGINE``).  A call
 whose projection autograd keeps (``projection=``) always runs the cuBLAS engine:
 only it materialises the projection.  Otherwise the cuBLAS engine writes the
 ``Producer``'s own workspace, allocated with the session.
@@ -32,11 +33,7 @@ def _cublas_rows(engine: str, max_tokens: int, on_gpu: bool) -> int:
         return max_tokens
     if engine == "fused" or not on_gpu:
         return 0
-    rows = [min(most, max_tokens) for most, name in _config.PRODUCER_ENGINE_TABLE[:-1]
-            if name == "cublas"]
-    if _config.PRODUCER_ENGINE_TABLE[-1][1] == "cublas":  # the last row takes larger calls
-        rows.append(max_tokens)
-    return max(rows, default=0)
+    return min(_config.PRODUCER_CUBLAS_MAX_ROWS, max_tokens)
 
 
 class Producer:
@@ -46,8 +43,15 @@ class Producer:
 
     def __init__(self, engine: str, plan: HeadPlan, *, max_tokens: int,
                  device: torch.device) -> None:
+        if engine == "auto" and _config.PRODUCER_ENGINE_OVERRIDE is not None:
+            engine = _config.PRODUCER_ENGINE_OVERRIDE
+        if engine not in ENGINES:
+            raise ValueError(f"Producer: engine must be one of {ENGINES}, got {engine!r} "
+                             "(CAKE_SP_PRODUCER_ENGINE?)")
         self.engine, self._plan = engine, plan
         self._on_gpu = device.type == "cuda" and not _config.INTERPRET
+        self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                         if self._on_gpu else 0)
         rows = _cublas_rows(engine, max_tokens, self._on_gpu)
         self.workspace = None if rows == 0 else torch.empty(
             rows, plan.total_heads * plan.head_dim, dtype=torch.float32, device=device)
@@ -71,7 +75,8 @@ class Producer:
         x = call.x2d
         engine = self.engine
         if engine == "auto":
-            engine = _config.producer_engine(call.rows, self._on_gpu)
+            engine = _config.producer_engine(call.rows, self._plan.total_heads,
+                                             self._plan.head_dim, self._num_sms, self._on_gpu)
         args = (x, call.qkv_weight, call.qkv_bias, call.q_norm_weight, call.k_norm_weight,
                 call.rope_cos_sin, call.positions)
         common = dict(plan=self._plan, dest=dest, dest_table=dest_table,

@@ -58,7 +58,7 @@ class Case:
     q_norm: bool = True
     k_norm: bool = True
     positions: torch.dtype | None = None
-    block_m: int | None = None  # None: the launch default, _config.producer_block_m
+    block_m: int | None = None  # rows per readiness word; None: _config.PRODUCER_BLOCK_M
     num_sms: int | None = None
     mainloop: str | None = None  # None: the launch default
     engine: str = "fused"  # or "cublas" (producer_cublas.py)
@@ -72,8 +72,8 @@ class Case:
         return HeadPlan(self.world, self.num_q_heads, self.num_kv_heads, self.head_dim)
 
     @property
-    def tile_rows(self) -> int:
-        return self.block_m or _config.producer_block_m(self.head_dim, self.mainloop)
+    def ready_rows(self) -> int:
+        return self.block_m or _config.PRODUCER_BLOCK_M
 
 
 CASES = {
@@ -228,7 +228,7 @@ class VirtualRanks:
                                    device=device) for _ in range(world)]
         self.slots = [s[GUARD: GUARD + self.elements].view(torch.bfloat16)
                       for s in self.storage]
-        self.readiness = ReadinessLayout.for_plan(case.plan, max_tokens, case.tile_rows)
+        self.readiness = ReadinessLayout.for_plan(case.plan, max_tokens, case.ready_rows)
         self.words = [torch.zeros(self.readiness.words, dtype=torch.int64, device=device)
                       for _ in range(world)]
         self.enter = [torch.zeros(world, dtype=torch.int64, device=device)
@@ -264,7 +264,7 @@ class VirtualRanks:
         common = dict(plan=c.plan, dest=self.dest(), dest_table=self.slot_table,
                       seq_local=c.seq_local, dest_seq_offset=rank * c.seq_local, eps=EPS,
                       rope_style=c.rope_style, signals=signals,
-                      bad_positions=self.bad_positions[rank], block_m=c.tile_rows)
+                      bad_positions=self.bad_positions[rank], block_m=c.ready_rows)
         args = (src["x"], inputs["weight"], inputs["bias"], inputs["q_norm"], inputs["k_norm"],
                 src["cos_sin"], src["positions"])
         if c.engine == "cublas":
@@ -273,7 +273,7 @@ class VirtualRanks:
             qkv_norm_rope_produce(*args, **common, num_sms=c.num_sms, mainloop=c.mainloop)
 
     def row_blocks(self) -> int:
-        return -(-self.case.rows // self.case.tile_rows)
+        return -(-self.case.rows // self.case.ready_rows)
 
     def call(self, inputs: dict, ranks: range | list[int] | None = None) -> None:
         """One NVLink call of ``ranks`` (default all): arrive, produce, wait."""

@@ -11,20 +11,27 @@ from cake_sp.session import producer
 from cake_sp.session.slots import CallInputs
 
 
-@pytest.mark.parametrize("rows, engine", [(1, "cublas"), (512, "cublas"), (513, "fused"),
-                                          (2048, "fused"), (10**7, "fused")])
-def test_table_picks_by_rows_on_a_gpu(rows, engine):
-    assert _config.producer_engine(rows, on_gpu=True) == engine
+# (rows, Hq + 2 Hkv, engine) on 132 SMs, the H200 rows the rule was fitted on (D = 128):
+# 256-row tiles filling their last wave to 0.61-0.81 take cuBLAS, to 0.97 the fused kernel.
+@pytest.mark.parametrize("rows, heads, engine", [
+    (512, 40, "cublas"), (512, 48, "cublas"), (512, 64, "fused"), (512, 80, "cublas"),
+    (1024, 40, "cublas"), (1024, 48, "cublas"), (1024, 64, "fused"), (1024, 80, "cublas"),
+    (1025, 40, "fused"), (2048, 48, "fused"), (10**7, 48, "fused"),
+])
+def test_engine_by_wave_fill_on_a_gpu(monkeypatch, rows, heads, engine):
+    monkeypatch.setattr(_config, "INTERPRET", False)  # a GPU's tiles, not the interpreter's
+    assert _config.producer_engine(rows, heads, 128, 132, on_gpu=True) == engine
+
+
+def test_wave_fill_counts_the_head_size_tiles(monkeypatch):
+    monkeypatch.setattr(_config, "INTERPRET", False)
+    # D = 256: 64-row tiles, so 512 rows of 16 heads are 128 tiles, 0.97 of 132 SMs.
+    assert _config.producer_engine(512, 16, 256, 132, on_gpu=True) == "fused"
+    assert _config.producer_engine(512, 16, 128, 132, on_gpu=True) == "cublas"
 
 
 def test_cpu_interpreter_runs_the_fused_kernel():
-    assert _config.producer_engine(1, on_gpu=False) == "fused"
-
-
-def test_last_table_row_takes_larger_calls(monkeypatch):
-    monkeypatch.setattr(_config, "PRODUCER_ENGINE_TABLE", ((64, "fused"), (128, "cublas")))
-    assert [_config.producer_engine(r, on_gpu=True) for r in (64, 65, 128, 129)] == \
-        ["fused", "cublas", "cublas", "cublas"]
+    assert _config.producer_engine(1, 40, 128, 0, on_gpu=False) == "fused"
 
 
 PLAN = HeadPlan(2, 2, 1, 16)  # 4 projection heads of 16: N = 64
@@ -69,16 +76,14 @@ def test_dispatch(monkeypatch, engine, projection, launched):
             assert tuple(workspace.shape) == (6, 64)
 
 
-@pytest.mark.parametrize("engine, table, rows", [
-    ("fused", ((2**62, "cublas"),), 0), ("cublas", ((2**62, "fused"),), 100),
-    ("auto", ((512, "cublas"), (2**62, "fused")), 100),   # max_tokens below the row limit
-    ("auto", ((64, "cublas"), (2**62, "fused")), 64),
-    ("auto", ((64, "fused"), (2**62, "cublas")), 100),    # the last row takes larger calls
+@pytest.mark.parametrize("engine, max_tokens, rows", [
+    ("fused", 4096, 0), ("cublas", 4096, 4096), ("cublas", 100, 100),
+    ("auto", 4096, 1024),   # the most rows "auto" may give the cuBLAS engine
+    ("auto", 100, 100),     # max_tokens below that
 ])
-def test_workspace_holds_the_most_rows_the_engine_may_get(monkeypatch, engine, table, rows):
-    monkeypatch.setattr(_config, "PRODUCER_ENGINE_TABLE", table)
-    got = producer._cublas_rows(engine, max_tokens=100, on_gpu=True)
-    assert got == rows
+def test_workspace_holds_the_most_rows_the_engine_may_get(engine, max_tokens, rows):
+    assert _config.PRODUCER_CUBLAS_MAX_ROWS == 1024
+    assert producer._cublas_rows(engine, max_tokens=max_tokens, on_gpu=True) == rows
 
 
 def test_a_call_beyond_the_workspace_raises(monkeypatch):
@@ -86,3 +91,55 @@ def test_a_call_beyond_the_workspace_raises(monkeypatch):
     produce = producer.Producer("cublas", PLAN, max_tokens=4, device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="workspace holds 4 rows, the call has 6"):
         _run(produce, _call(6))
+
+
+def test_engine_override_replaces_auto_only(monkeypatch):
+    calls = _record(monkeypatch)
+    monkeypatch.setattr(_config, "PRODUCER_ENGINE_OVERRIDE", "cublas")
+    overridden = producer.Producer("auto", PLAN, max_tokens=8, device=torch.device("cpu"))
+    named = producer.Producer("fused", PLAN, max_tokens=8, device=torch.device("cpu"))
+    _run(overridden, _call())
+    _run(named, _call())
+    assert [name for name, _ in calls] == ["cublas", "fused"]
+    assert overridden.workspace.shape == (8, 64)
+
+
+def test_bad_engine_override_is_named(monkeypatch):
+    monkeypatch.setattr(_config, "PRODUCER_ENGINE_OVERRIDE", "cutlass")
+    with pytest.raises(ValueError, match="CAKE_SP_PRODUCER_ENGINE"):
+        producer.Producer("auto", PLAN, max_tokens=8, device=torch.device("cpu"))
+
+
+EVERY_MAINLOOP = ("warp_specialized", "tma", "pointer")
+
+
+@pytest.mark.parametrize("allowed, rows, mainloop", [
+    (EVERY_MAINLOOP, 2048, "warp_specialized"), (EVERY_MAINLOOP, 10**6, "warp_specialized"),
+    (EVERY_MAINLOOP, 2047, "tma"),                  # below PRODUCER_WS_MIN_ROWS
+    (("tma", "pointer"), 4096, "tma"), (("pointer",), 4096, "pointer"),
+])
+def test_default_mainloop(allowed, rows, mainloop):
+    assert _config.PRODUCER_WS_MIN_ROWS == 2048
+    assert _config.producer_mainloop(allowed, rows) == mainloop
+
+
+def test_mainloop_override_applies_where_allowed(monkeypatch):
+    monkeypatch.setattr(_config, "PRODUCER_MAINLOOP_OVERRIDE", "warp_specialized")
+    assert _config.producer_mainloop(EVERY_MAINLOOP, 16) == "warp_specialized"
+    assert _config.producer_mainloop(("tma", "pointer"), 16) == "tma"
+
+
+def test_no_allowed_mainloop_raises():
+    with pytest.raises(ValueError, match="none of"):
+        _config.producer_mainloop((), 16)
+
+
+@pytest.mark.parametrize("interpret, head_dim, block_m, tile_m", [
+    (False, 128, 64, 256), (False, 64, 16, 256), (False, 256, 64, 64), (False, 256, 128, 128),
+    (True, 128, 64, 128), (True, 128, 256, 256),
+])
+def test_tile_rows_hold_whole_readiness_blocks(monkeypatch, interpret, head_dim, block_m,
+                                               tile_m):
+    monkeypatch.setattr(_config, "INTERPRET", interpret)
+    got = _config.producer_tile_m(head_dim, block_m)
+    assert got == tile_m and got % block_m == 0
