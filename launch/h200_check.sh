@@ -21,6 +21,10 @@
 # racecheck on one small layer forward + backward), train-shared (launch/train_steps.py: 200
 # AdamW steps of a small Qwen3 under apply_ulysses, TRAIN_WORLD processes sharing GPU 0,
 # against the same model on the full sequence).
+# CAKE_SP_PRODUCER_ENGINE (fused, cublas) and CAKE_SP_PRODUCER_MAINLOOP (warp_specialized, tma,
+# pointer) pass through to every stage: `CAKE_SP_PRODUCER_ENGINE=fused
+# CAKE_SP_PRODUCER_MAINLOOP=tma bash launch/h200_check.sh shared` runs the session suite on that
+# engine and mainloop.
 # Stages joined by "+" form a lane and run one after another (kernels-nvlink+shared).
 # PARALLEL=1 runs the lanes concurrently (test stages only: benchmarks need the GPU to
 # themselves); on a machine with several GPUs each lane gets its own GPU, in turn (lane i on

@@ -31,9 +31,9 @@ ATTEMPT_KEYS = {"order", "samples_ms", "samples_ms_per_rank", "median_ms", "aa",
 DELAY_MS = 20.0
 
 
-def _run_bench(out: Path, *extra: str) -> dict:
+def _run_bench(out: Path, *extra: str, env_extra: dict | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), **(env_extra or {}))
     args = ["--rows", "tiny", "--samples", "2", "--warmup", "0", "--ceiling-samples", "1",
             "--json", str(out / "r.json"), "--markdown", str(out / "r.md"),
             "--plot", str(out / "r.png"), *extra]
@@ -123,3 +123,23 @@ def test_device_barrier_keeps_a_delayed_rank_out_of_the_times(run, tmp_path):
         assert plain["median_skew_ms"] < DELAY_MS / 4, plain["median_skew_ms"]
         for name, ms in late["median_ms"].items():
             assert ms < plain["median_ms"][name] + DELAY_MS / 10, (late["row"]["name"], name)
+
+
+# The session's producer engines, and on the fused one each mainloop, forced in turn
+# (_config's overrides): the session arms must run and check on every one.
+ENGINES = [("cublas", None), ("fused", "tma"), ("fused", "warp_specialized")]
+
+
+@pytest.mark.parametrize("engine, mainloop", ENGINES)
+def test_every_engine_runs_the_session_arms(tmp_path, engine, mainloop):
+    if mainloop == "warp_specialized" and TEST_DEVICE == "cpu":
+        pytest.skip("the warp-specialised mainloop runs on Hopper GPUs only")
+    env = {"CAKE_SP_PRODUCER_ENGINE": engine, "CAKE_SP_PRODUCER_MAINLOOP": mainloop or ""}
+    doc = _run_bench(tmp_path, "--arms", "fused_nvlink,fused_nccl", env_extra=env)["doc"]
+    for r in doc["rows"]:
+        assert r["status"] == "measured", r["reason"]
+        timed = {n for n, a in r["arms"].items() if a["status"] == "timed"}
+        assert timed == ({"fused_nccl"} if TEST_DEVICE == "cpu" else {"fused_nvlink",
+                                                                      "fused_nccl"})
+        for name in timed:
+            assert r["arms"][name]["verified"] is True, (name, r["arms"][name])
