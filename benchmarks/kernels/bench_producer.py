@@ -12,8 +12,9 @@ pointer table of W buffers, so the stores cost HBM bandwidth, not NVLink):
 
 * ``cublas``: ``x @ qkv_weight.T`` alone (cuBLAS through ``torch.matmul``), bf16 out;
 * ``producer_<mainloop>``: ``qkv_norm_rope_produce`` without signals on each of
-  ``--mainloops`` (default: every one the GPU runs), side by side: GEMM + bias + QK
-  RMSNorm + RoPE + stores of every head band at its destination's offset;
+  ``--mainloops`` (default: ``warp_specialized`` and ``tma``, both Hopper's), side by
+  side: GEMM + bias + QK RMSNorm + RoPE + stores of every head band at its
+  destination's offset;
 * ``eager``: the per-operator front end: ``F.linear``, RMSNorm and RoPE as torch
   ops, then one copy per destination and kind into the same buffers;
 * ``cublas_fp32``: the GEMM alone with an fp32 output (the cuBLAS engine's first step);
@@ -75,8 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="K/V heads: a number, or 'mha' for as many as Q heads")
     p.add_argument("--mainloops", type=lambda t: [m.strip() for m in t.split(",") if m.strip()],
                    default=["warp_specialized", "tma"], help="comma list of producer "
-                   "mainloops to time side by side (producer.MAINLOOPS); the first is the one "
-                   "the eager and TFLOP/s columns use")
+                   "mainloops to time side by side (producer.MAINLOOPS); the pick's is added "
+                   "when missing")
     p.add_argument("--json", metavar="PATH", help="also write rows and environment here")
     return p.parse_args(argv)
 
@@ -284,8 +285,8 @@ def checked_front_ends(p: dict, check_rows: int, mainloops: list[str]
 
 
 def picked_arm(p: dict) -> str:
-    """The arm the session's ``engine="auto"`` runs for ``p``: the engine table's choice, and
-    on the fused engine the launcher's default mainloop."""
+    """The arm the session's ``engine="auto"`` runs for ``p``: ``_config.producer_engine``'s
+    choice, and on the fused engine the launcher's default mainloop."""
     from cake_sp.kernels import _config
     from cake_sp.kernels.producer import choose_mainloop
 

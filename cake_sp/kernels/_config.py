@@ -102,7 +102,7 @@ PRODUCER_MAINLOOPS: tuple[str, ...] = ("warp_specialized", "tma", "pointer")
 PRODUCER_WS_MIN_ROWS: int = 2048
 # The session's producer engine per call shape (session/producer.py, producer_engine).  Above
 # PRODUCER_CUBLAS_MAX_ROWS rows the fused kernel; up to it, the fused kernel only when its
-# persistent grid's (tile, head) tiles fill their last wave of SMs to PRODUCER_FUSED_MIN_FILL
+# persistent grid's (row block, head) tiles fill their last wave of SMs to PRODUCER_FUSED_MIN_FILL
 # or more, else the cuBLAS engine.  On an H200 (docs/results.md, same section; hidden
 # 3072-8192, 8 K/V heads, D = 128, 132 SMs) this rule picks the faster engine on all 8 rows
 # of 512 and 1,024 rows: the fused kernel won at fills of 0.97 (by 7-8 %), cuBLAS at fills
