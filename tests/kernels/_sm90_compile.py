@@ -1,0 +1,111 @@
+"""Build the warp-specialised producer for sm_90a on a machine without a GPU.
+
+Run as a script, in a subprocess of its own: it replaces Triton's active driver with a stub
+that names an sm_90 target, then calls the real launcher (``qkv_norm_rope_produce``) on CPU
+tensors with the kernel's launch turned into ``warmup``, which compiles through ptxas (the
+one Triton ships) and runs nothing::
+
+    TRITON_INTERPRET=0 python tests/kernels/_sm90_compile.py '{"world": 2, "q_heads": 32, ...}'
+
+It prints one JSON line: the kernel's shared memory in bytes, and ptxas's register count and
+spill bytes for the PTX.  The keys of the configuration are those of ``main``'s defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.runtime import driver
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+class _StubDriver:
+    """Just enough of a driver for Triton's JIT to compile for ``SM90`` (never to launch)."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return SM90
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+class _Warmup:
+    """Stands in for the Gluon kernel: ``kernel[grid](...)`` compiles and keeps the result."""
+
+    def __init__(self, kernel):
+        self.kernel, self.compiled = kernel, None
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
+        return launch
+
+
+def _ptxas_report(ptx: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp, "kernel.ptx")
+        source.write_text(ptx)
+        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(source),
+                               "-o", str(Path(tmp, "kernel.o"))],
+                              capture_output=True, text=True, check=True)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", proc.stderr)]
+    registers = re.findall(r"Used (\d+) registers", proc.stderr)
+    return {"spill_bytes": sum(spills), "registers": int(registers[-1])}
+
+
+def main(config: dict) -> dict:
+    driver.set_active(_StubDriver())
+    from cake_sp.kernels import _config, producer
+    from cake_sp.kernels.signals import ProducerSignals
+    from cake_sp.layouts import DestLayout, HeadPlan, ReadinessLayout
+
+    c = {**dict(world=2, q_heads=32, kv_heads=8, head_dim=128, hidden=4096, rows=4096,
+                norms=True, bias=True, signals=True, positions=False, rope_style="neox"),
+         **config}
+    plan = HeadPlan(c["world"], c["q_heads"], c["kv_heads"], c["head_dim"])
+    rows, d, w = c["rows"], c["head_dim"], c["world"]
+    bf16, i64 = torch.bfloat16, torch.int64
+    seq_len = rows * w
+    kernel = _Warmup(producer.qkv_produce_ws_kernel)
+    producer.qkv_produce_ws_kernel = kernel
+    # The launcher asks the (absent) GPU which mainloops it has.
+    producer.choose_mainloop = lambda *args, **kwargs: "warp_specialized"
+    signals = None
+    if c["signals"]:
+        readiness = ReadinessLayout.for_plan(plan, rows, _config.PRODUCER_BLOCK_M)
+        signals = ProducerSignals(
+            epoch=torch.zeros(1, dtype=i64), enter=torch.zeros(w, dtype=i64),
+            word_table=torch.zeros(w, dtype=i64), source_rank=0, readiness=readiness,
+            status=torch.zeros(1 + w, dtype=i64), timeout_ns=10**9)
+    producer.qkv_norm_rope_produce(
+        torch.empty(rows, c["hidden"], dtype=bf16),
+        torch.empty(plan.total_heads * d, c["hidden"], dtype=bf16),
+        torch.empty(plan.total_heads * d, dtype=bf16) if c["bias"] else None,
+        torch.empty(d, dtype=bf16) if c["norms"] else None,
+        torch.empty(d, dtype=bf16) if c["norms"] else None,
+        torch.empty(rows, d), torch.zeros(rows, dtype=i64) if c["positions"] else None,
+        plan=plan, dest=DestLayout.for_layout(plan, "bshd", seq_len, seq_len=seq_len),
+        dest_table=torch.zeros(w, dtype=i64), seq_local=rows, dest_seq_offset=0, eps=1e-6,
+        rope_style=c["rope_style"], signals=signals,
+        bad_positions=torch.zeros(1, dtype=i64) if c["positions"] else None, num_sms=132)
+    return {"shared_bytes": kernel.compiled.metadata.shared,
+            **_ptxas_report(kernel.compiled.asm["ptx"])}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))))
