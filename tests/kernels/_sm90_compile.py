@@ -1,14 +1,17 @@
-"""Build the warp-specialised producer for sm_90a on a machine without a GPU.
+"""Build the Gluon kernels (sm_90a only) on a machine without a GPU.
 
 Run as a script, in a subprocess of its own: it replaces Triton's active driver with a stub
-that names an sm_90 target, then calls the real launcher (``qkv_norm_rope_produce``) on CPU
-tensors with the kernel's launch turned into ``warmup``, which compiles through ptxas (the
-one Triton ships) and runs nothing::
+that names an sm_90 target, then calls a kernel's real host launcher on CPU tensors with the
+kernel's launch turned into ``warmup``, which compiles through ptxas (the one Triton ships)
+and runs nothing::
 
-    TRITON_INTERPRET=0 python tests/kernels/_sm90_compile.py '{"world": 2, "q_heads": 32, ...}'
+    TRITON_INTERPRET=0 python tests/kernels/_sm90_compile.py producer '{"world": 4, ...}'
+    TRITON_INTERPRET=0 python tests/kernels/_sm90_compile.py fmha_context '{"head_dim": 64}'
 
 It prints one JSON line: the kernel's shared memory in bytes, and ptxas's register count and
-spill bytes for the PTX.  The keys of the configuration are those of ``main``'s defaults.
+spill bytes for the PTX.  The configuration's keys are those of the builder's defaults
+(``producer``: the warp-specialised producer; ``fmha_context``: the warp-specialised paged
+context kernel, an ``FmhaCase``'s fields).
 """
 
 from __future__ import annotations
@@ -68,8 +71,7 @@ def _ptxas_report(ptx: str) -> dict:
     return {"spill_bytes": sum(spills), "registers": int(registers[-1])}
 
 
-def main(config: dict) -> dict:
-    driver.set_active(_StubDriver())
+def build_producer(config: dict) -> dict:
     from cake_sp.kernels import _config, producer
     from cake_sp.kernels.signals import ProducerSignals
     from cake_sp.layouts import DestLayout, HeadPlan, ReadinessLayout
@@ -107,5 +109,27 @@ def main(config: dict) -> dict:
             **_ptxas_report(kernel.compiled.asm["ptx"])}
 
 
+def build_fmha_context(config: dict) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _fmha_cases import FmhaCase, call, make_call
+
+    from cake_sp.kernels.fmha import api, context_ws
+
+    case = FmhaCase(**{**dict(op="context", head_dim=128, page_size=128, kv_lens=(300, 5),
+                              q_lens=(300, 5)), **config})
+    # The public call validates and builds the problem; the route is not taken.
+    api._run = lambda problem, cell, return_lse: problem
+    problem = call(case, make_call(case, torch.device("cpu")))
+    assert context_ws.serves(problem), f"context_ws does not serve {case}"
+    kernel = _Warmup(context_ws.context_ws_kernel)
+    context_ws.context_ws_kernel = kernel
+    context_ws.context_ws(problem)
+    return {"shared_bytes": kernel.compiled.metadata.shared,
+            **_ptxas_report(kernel.compiled.asm["ptx"])}
+
+
+BUILDERS = {"producer": build_producer, "fmha_context": build_fmha_context}
+
 if __name__ == "__main__":
-    print(json.dumps(main(json.loads(sys.argv[1]))))
+    driver.set_active(_StubDriver())
+    print(json.dumps(BUILDERS[sys.argv[1]](json.loads(sys.argv[2]))))

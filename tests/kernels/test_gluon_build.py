@@ -1,0 +1,56 @@
+"""The Gluon kernels build for sm_90a, with no spills, on any machine.
+
+They never run in Triton's interpreter, so without this a change to one meets a compiler
+only on a GPU.  ``_sm90_compile.py`` compiles each through its real host launcher in a
+subprocess (a stub driver naming an sm_90 target; nothing runs) and reports ptxas's
+registers and spills: a spill means a register budget (``_config.WsTile`` for the
+producer) no longer fits the code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon")
+pytest.importorskip("triton.backends.nvidia.compiler")
+
+HELPER = Path(__file__).with_name("_sm90_compile.py")
+REPO = Path(__file__).resolve().parents[2]
+SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one sm_90 CTA may take
+
+BUILDS = {
+    # The warp-specialised producer.  Both norm weights: the 256-row tile, bf16 hand-off;
+    # bias, signals, NeoX.
+    "producer-norm-in-mma": ("producer", {}),
+    # No norms: the 128-row fp32 hand-off, interleaved RoPE, positions.
+    "producer-fp32-hand-off": ("producer", {"norms": False, "rope_style": "interleaved",
+                                            "positions": True}),
+    # GQA replication at W = 4, D = 64, a tail row block.
+    "producer-d64-replicated": ("producer", {"world": 4, "q_heads": 16, "kv_heads": 2,
+                                             "head_dim": 64, "hidden": 1024, "rows": 1000}),
+    # No signals, no bias (the NCCL path's packing).
+    "producer-no-signals": ("producer", {"signals": False, "bias": False}),
+    # The warp-specialised paged context kernel: D 128 and 64, pages split into copies.
+    "fmha-context-d128": ("fmha_context", {}),
+    "fmha-context-d64-page16": ("fmha_context", {"head_dim": 64, "page_size": 16,
+                                                 "causal": False}),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_builds_for_sm90_without_spills(name):
+    kernel, config = BUILDS[name]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, str(HELPER), kernel, json.dumps(config)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["spill_bytes"] == 0, report
+    assert 0 < report["shared_bytes"] <= SM90_SHARED_BYTES, report
