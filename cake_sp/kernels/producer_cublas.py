@@ -13,9 +13,10 @@ fused kernel's own ``producer_epilogue.deliver_tile``: the same norm, rotation,
 rounding, stores, entry waits and readiness words, so a consumer cannot tell the
 engines apart.  Autograd can keep ``P`` for the backward instead of recomputing it.
 
-Measured on an H200 (docs/results.md, "Producer engines") this engine is slower than
-the fused kernel above 512 rows: cuBLAS's fp32-output GEMM alone took 1.01-1.20x its
-bf16-output GEMM, and the epilogue reads 4 bytes per projection element.  Row chunks of the GEMM
+Measured on an H200 (docs/results.md) this engine is slower than the fused kernel from
+2,048 rows on, and faster only at small calls whose fused tiles leave the last wave of SMs
+part empty (``_config.producer_engine``): cuBLAS's fp32-output GEMM alone took 1.01-1.20x
+its bf16-output GEMM, and the epilogue reads 4 bytes per projection element.  Row chunks of the GEMM
 with the epilogues on a side stream (with or without cuBLAS's SM carve-out) measured
 slower still, so the engine runs one GEMM and one epilogue.
 """
