@@ -109,6 +109,13 @@ PRODUCER_WS_MIN_ROWS: int = 2048
 # of 0.61-0.81 (by 2-35 %); from 2,048 rows the fused kernel won every row.
 PRODUCER_CUBLAS_MAX_ROWS: int = 1024
 PRODUCER_FUSED_MIN_FILL: float = 0.9
+# The cuBLAS engine's epilogue kernel (producer_cublas.py): values of its fp32 projection tile
+# per program (rows x D; at least a readiness word's rows) and its warps.  On an H200
+# (docs/results.md, "Tiles by wave fill") 64 x 128 values at 8 warps took 0.88-0.95x the time
+# of the fused kernel's 256 x 128 tile, the engine's tile until then, on all 15 rows (512 to
+# 16,384 rows); 64 x 128 at 4 warps took 1.01-1.05x, 128 x 128 at 4 or 8 warps 1.02-1.12x.
+PRODUCER_EPILOGUE_TILE_VALUES: int = 64 * 128
+PRODUCER_EPILOGUE_NUM_WARPS: int = 8
 
 
 # Overrides of the engine choice and of the default mainloop, for tests and tuning, read
@@ -128,8 +135,13 @@ def producer_engine(rows: int, total_heads: int, head_dim: int, num_sms: int,
     if not on_gpu or rows > PRODUCER_CUBLAS_MAX_ROWS:
         return "fused"
     tiles = -(-rows // producer_tile_m(head_dim, PRODUCER_BLOCK_M)) * total_heads
-    waves = -(-tiles // num_sms)
-    return "fused" if tiles >= PRODUCER_FUSED_MIN_FILL * waves * num_sms else "cublas"
+    return "fused" if wave_fill(tiles, num_sms) >= PRODUCER_FUSED_MIN_FILL else "cublas"
+
+
+def wave_fill(tiles: int, num_sms: int) -> float:
+    """How full a persistent grid's waves are: ``tiles`` over ``num_sms`` times the waves
+    (1.0: every wave full; 0.55: the last one about a tenth full of two)."""
+    return tiles / (-(-tiles // num_sms) * num_sms)
 
 
 # The warp-specialised kernel (producer_ws.py): two MMA warpgroups (a partition each, taking
@@ -152,20 +164,41 @@ PRODUCER_WS_NORM_IN_MMA: bool = True
 @dataclass(frozen=True)
 class WsTile:
     """One tile shape of the warp-specialised producer (see above): rows per tile, ring
-    slots, the register budget of each of its two MMA warpgroups, and the epilogue
-    partition's warps."""
+    slots, the register budget of each of its two MMA warpgroups, the epilogue
+    partition's warps, and whether the MMA warps normalise and hand over bf16."""
 
     tile_m: int
     stages: int
     mma_regs: int
     epilogue_warps: int
+    norm_in_mma: bool
 
 
-PRODUCER_WS_TILE = WsTile(tile_m=128, stages=4, mma_regs=104, epilogue_warps=8)
-PRODUCER_WS_NORM_TILE = WsTile(tile_m=256, stages=3, mma_regs=168,
-                               epilogue_warps=4)
+PRODUCER_WS_TILE = WsTile(tile_m=128, stages=4, mma_regs=104, epilogue_warps=8,
+                          norm_in_mma=False)
+PRODUCER_WS_NORM_TILE = WsTile(tile_m=256, stages=3, mma_regs=168, epilogue_warps=4,
+                               norm_in_mma=True)
+# With both norm weights, the 256-row tile unless the 128-row one fills the persistent grid's
+# waves (wave_fill) better by more than this.  On an H200 (docs/results.md, "Tiles by wave
+# fill") the 128-row tile took 0.79-0.88x the 256-row one's time on the 5 rows where its fill
+# was higher by 0.16-0.24 (512 to 2,048 rows), and 0.95-1.08x on the 10 where the fills were
+# within 0.02.
+PRODUCER_WS_FILL_MARGIN: float = 0.1
 PRODUCER_WS_LOADER_REGS: int = 40
 PRODUCER_WS_GROUP_HEADS: int = 8
+
+
+def producer_ws_tile(rows: int, total_heads: int, num_sms: int, both_norms: bool) -> WsTile:
+    """The warp-specialised kernel's tile for a call of ``rows`` rows of ``total_heads`` heads
+    on ``num_sms`` SMs: the fp32 hand-off's 128 rows, or with ``both_norms`` (and
+    ``PRODUCER_WS_NORM_IN_MMA``) the 256-row tile unless 128-row tiles fill the waves better
+    (``PRODUCER_WS_FILL_MARGIN``)."""
+    if not (both_norms and PRODUCER_WS_NORM_IN_MMA):
+        return PRODUCER_WS_TILE
+    fills = [wave_fill(-(-rows // tile.tile_m) * total_heads, num_sms)
+             for tile in (PRODUCER_WS_NORM_TILE, PRODUCER_WS_TILE)]
+    return PRODUCER_WS_TILE if fills[1] > fills[0] + PRODUCER_WS_FILL_MARGIN \
+        else PRODUCER_WS_NORM_TILE
 
 # -- paged KV-cache append (qk_rope_append.py, qk_rope_fp8_append.py) --
 # Every program scans q_indptr itself; a chunk of up to 128 int32 keeps that scan to
@@ -242,3 +275,9 @@ def producer_tile_m(head_dim: int, block_m: int) -> int:
     if INTERPRET:
         return max(128, block_m)
     return max(64 if head_dim > 128 else 256, block_m)
+
+
+def producer_epilogue_tile_m(head_dim: int, block_m: int) -> int:
+    """Rows per program of the cuBLAS engine's epilogue: ``PRODUCER_EPILOGUE_TILE_VALUES``
+    values of one head, and at least the ``block_m`` rows of a readiness word."""
+    return max(PRODUCER_EPILOGUE_TILE_VALUES // head_dim, block_m)

@@ -441,9 +441,8 @@ def qkv_norm_rope_produce(
                      **epilogue_constants(plan, qkv_bias, q_norm_weight, k_norm_weight,
                                           positions, rope_style, signals, block_m))
     if mainloop == "warp_specialized":
-        norm_in_mma = (_config.PRODUCER_WS_NORM_IN_MMA and q_norm_weight is not None
-                       and k_norm_weight is not None)
-        tile = _config.PRODUCER_WS_NORM_TILE if norm_in_mma else _config.PRODUCER_WS_TILE
+        tile = _config.producer_ws_tile(rows, plan.total_heads, num_sms,
+                                        q_norm_weight is not None and k_norm_weight is not None)
         x_desc = GluonTensorDescriptor.from_tensor(x, [tile.tile_m, block_k],
                                                    _nvmma_layout(tile.tile_m, block_k))
         w_desc = GluonTensorDescriptor.from_tensor(qkv_weight, [d, block_k],
@@ -451,7 +450,7 @@ def qkv_norm_rope_produce(
         qkv_produce_ws_kernel[_persistent_grid(rows, tile.tile_m, plan, num_sms)](
             x_desc, w_desc, *args, **{**constants, "num_warps": tile.epilogue_warps},
             GROUP_HEADS=min(_config.PRODUCER_WS_GROUP_HEADS, plan.total_heads),
-            TILE_M=tile.tile_m, CHUNK_M=_config.PRODUCER_WS_CHUNK_M, NORM_IN_MMA=norm_in_mma,
+            TILE_M=tile.tile_m, CHUNK_M=_config.PRODUCER_WS_CHUNK_M, NORM_IN_MMA=tile.norm_in_mma,
             STAGES=tile.stages, MMA_REGS=tile.mma_regs,
             LOADER_REGS=_config.PRODUCER_WS_LOADER_REGS)
         return

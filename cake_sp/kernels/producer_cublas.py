@@ -143,12 +143,13 @@ def qkv_norm_rope_produce_cublas(
     constants = epilogue_constants(plan, qkv_bias, q_norm_weight, k_norm_weight, positions,
                                    rope_style, signals, block_m)
     project_fp32(x, qkv_weight, workspace)
-    tile_m = _config.producer_tile_m(plan.head_dim, block_m)
+    tile_m = _config.producer_epilogue_tile_m(plan.head_dim, block_m)
     row_blocks = triton.cdiv(rows, tile_m)
     _deliver_projection_kernel[(row_blocks * plan.total_heads,)](
         workspace, qkv_bias, q_norm_weight, k_norm_weight, cos_sin, positions, bad_positions,
         dest_table, epoch, enter, word_table, status, rows, row_blocks, cos_sin.stride(0),
         cos_sin.shape[0], eps, seq_local, dest.seq_len, dest_seq_offset, *dest.region_offset,
         *dest.token_stride, *dest.head_stride, source_rank, max_row_blocks, timeout_ns,
-        BLOCK_M=tile_m, INTERPRET=_config.INTERPRET, **constants)
+        BLOCK_M=tile_m, INTERPRET=_config.INTERPRET,
+        **{**constants, "num_warps": _config.PRODUCER_EPILOGUE_NUM_WARPS})
     return workspace

@@ -31,6 +31,9 @@ BUILDS = {
     # No norms: the 128-row fp32 hand-off, interleaved RoPE, positions.
     "producer-fp32-hand-off": ("producer", {"norms": False, "rope_style": "interleaved",
                                             "positions": True}),
+    # Both norm weights where 128-row tiles fill the waves better (_config.producer_ws_tile):
+    # the fp32 hand-off, normalised by the epilogue partition.
+    "producer-norms-128-row-tile": ("producer", {"q_heads": 24, "hidden": 3072, "rows": 2048}),
     # GQA replication at W = 4, D = 64, a tail row block.
     "producer-d64-replicated": ("producer", {"world": 4, "q_heads": 16, "kv_heads": 2,
                                              "head_dim": 64, "hidden": 1024, "rows": 1000}),

@@ -349,11 +349,13 @@ WS_CASES = [n for n, c in CASES.items()
 def test_warp_specialized_mainloop_matches_oracle(name, norm_in_mma, device, record_property,
                                                   monkeypatch):
     """The Gluon kernel on the small cases: tail row blocks, one K step, GQA replication; the
-    cases with both norms in both tile shapes (``_config.PRODUCER_WS_NORM_IN_MMA``)."""
+    cases with both norms in both tile shapes (``_config.PRODUCER_WS_NORM_IN_MMA``; an infinite
+    ``PRODUCER_WS_FILL_MARGIN`` keeps the 256-row tile at any wave fill)."""
     case = replace(CASES[name], mainloop="warp_specialized", block_m=None)
     if not (case.q_norm and case.k_norm) and not norm_in_mma:
         pytest.skip("without both norm weights the kernel always hands over fp32")
     monkeypatch.setattr(_config, "PRODUCER_WS_NORM_IN_MMA", norm_in_mma)
+    monkeypatch.setattr(_config, "PRODUCER_WS_FILL_MARGIN", float("inf"))
     _exchange_and_check(case, device, record_property, seed=len(name) + 1)
 
 

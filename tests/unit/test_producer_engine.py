@@ -143,3 +143,40 @@ def test_tile_rows_hold_whole_readiness_blocks(monkeypatch, interpret, head_dim,
     monkeypatch.setattr(_config, "INTERPRET", interpret)
     got = _config.producer_tile_m(head_dim, block_m)
     assert got == tile_m and got % block_m == 0
+
+
+@pytest.mark.parametrize("tiles, sms, fill", [(132, 132, 1.0), (320, 132, 320 / 396),
+                                              (1, 132, 1 / 132), (264, 132, 1.0)])
+def test_wave_fill(tiles, sms, fill):
+    assert _config.wave_fill(tiles, sms) == pytest.approx(fill)
+
+
+@pytest.mark.parametrize("rows, heads, tile_m", [
+    (2048, 40, 128),     # 256-row tiles fill 0.81 of their last waves, 128-row ones 0.97
+    (1024, 48, 128),     # 0.73 against 0.97
+    (2048, 48, 256),     # both 0.97
+    (16384, 40, 256),    # 0.97 against 0.99: within the margin
+    (512, 40, 256),      # both 0.61
+])
+def test_ws_tile_by_wave_fill(rows, heads, tile_m):
+    assert _config.PRODUCER_WS_FILL_MARGIN == 0.1
+    tile = _config.producer_ws_tile(rows, heads, 132, both_norms=True)
+    assert tile.tile_m == tile_m
+    assert tile in (_config.PRODUCER_WS_TILE, _config.PRODUCER_WS_NORM_TILE)
+
+
+def test_ws_tile_without_both_norms_is_the_fp32_hand_off(monkeypatch):
+    for rows in (512, 2048, 16384):
+        assert _config.producer_ws_tile(rows, 40, 132, both_norms=False) \
+            == _config.PRODUCER_WS_TILE
+    monkeypatch.setattr(_config, "PRODUCER_WS_NORM_IN_MMA", False)
+    assert _config.producer_ws_tile(16384, 40, 132, both_norms=True) == _config.PRODUCER_WS_TILE
+
+
+@pytest.mark.parametrize("head_dim, block_m, tile_m", [
+    (128, 64, 64), (64, 64, 128), (256, 64, 64), (128, 128, 128), (128, 16, 64),
+])
+def test_epilogue_tile_rows_hold_whole_readiness_blocks(head_dim, block_m, tile_m):
+    assert _config.PRODUCER_EPILOGUE_TILE_VALUES == 64 * 128
+    got = _config.producer_epilogue_tile_m(head_dim, block_m)
+    assert got == tile_m and got % block_m == 0
