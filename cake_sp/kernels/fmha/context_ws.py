@@ -10,10 +10,16 @@ rows of one request and head:
   into a ring of ``STAGES`` shared-memory slots (``*_ready`` / ``*_empty`` mbarriers), one
   copy per page the tile covers (``BOX = min(page_size, 128)`` rows each, through the
   request's K and V page tables);
-* *softmax* (the launch's 8 warps, two ``wgmma`` warpgroups): ``S = Q K^T`` from shared
-  memory, the online softmax in registers, ``O += P V`` with ``P`` as the register operand;
-  tile ``i``'s ``Q K^T`` is issued together with tile ``i - 1``'s ``P V`` so the tensor cores
-  work while the softmax of tile ``i`` waits for its scores (FA3's intra-warpgroup overlap).
+* *consumers* (two partitions of one ``wgmma`` warpgroup each, taking the upper and lower
+  64 query rows): ``S = Q K^T`` from shared memory, the online softmax in registers,
+  ``O += P V`` with ``P`` as the register operand; tile ``i``'s ``Q K^T`` is issued together
+  with tile ``i - 1``'s ``P V`` so the tensor cores work while the softmax of tile ``i``
+  waits for its scores (FA3's intra-warpgroup overlap).  Each warpgroup releases ring slots
+  on its own (those barriers count two arrivals), so the two drift apart and one's softmax
+  runs under the other's GEMMs.  As one partition of eight warps, tied together by a
+  barrier at every slot release, the kernel took 1.15-1.33x this one's time on an H200;
+  FA3's explicit ping-pong (each warpgroup waits for the other's GEMMs before issuing its
+  own) took 1.00-1.07x (docs/results.md, "Two consumer partitions").
 
 Semantics are ``context.py``'s (its docstring), restricted to what :func:`serves` accepts.
 Keys past a request's length in its last tile are masked out of ``S``, and their V rows are
@@ -42,7 +48,11 @@ from cake_sp.kernels.fmha.problem import PagedAttention, cache_rows
 
 BLOCK_M = 128
 BLOCK_N = 128
-NUM_WARPS = 8
+# Each consumer warpgroup is a partition of its own, taking half of the block's query rows;
+# the launch's warps are the first one's, the second (a worker) gets CONSUMER_REGS registers
+# a thread, the loader warp 40.
+WARPGROUP = 4
+CONSUMER_REGS = 232
 STAGES = 2
 HEAD_DIMS = (64, 128)
 # Pages of fewer keys than this would need more than 8 copies per tile.
@@ -138,28 +148,34 @@ def _store_rows(acc, l_i, out_ptr, stride_ot, stride_oh, tok0, h, q_len, m0, bmm
 
 @gluon.jit
 def _softmax_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                       out_ptr, stride_ot, stride_oh, tok0, h, q_len, m0, kv_len, n_tiles,
-                       scale_log2, bmm2_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-    """Default partition: the overlapped Q K^T / softmax / P V loop, then ``O / l`` to ``out``."""
+                       v_masked, out_ptr, stride_ot, stride_oh, tok0, h, q_len, m0, kv_len,
+                       n_tiles, scale_log2, bmm2_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                       STAGES: gl.constexpr):
+    """Consumer warpgroup ``WG`` (0 or 1), the query rows ``[m0 + WG * BLOCK_M / 2, ...)`` of
+    the block: the overlapped Q K^T / softmax / P V loop over every K/V tile, then ``O / l``
+    to ``out``.  Each warpgroup releases ring slots on its own (those barriers count two)."""
+    ROWS: gl.constexpr = BLOCK_M // 2
     warps: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, warps)
     o_layout: gl.constexpr = _mma_layout(D, warps)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    row0 = m0 + WG * ROWS
+    q_rows = q_smem.slice(WG * ROWS, ROWS)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     q_pos = kv_len - q_len + rows
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     # Tiles below this key need no mask: every key is < kv_len and <= the first row's position.
-    first_masked = kv_len - q_len + m0 + 1 if CAUSAL else kv_len
+    first_masked = kv_len - q_len + row0 + 1 if CAUSAL else kv_len
     first_masked = gl.minimum(first_masked, kv_len)
     mbarrier.wait(q_bar, 0)
     # Tile 0: S alone (the accumulator is still zero).
     mbarrier.wait(k_ready.index(0), 0)
-    qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
+    qk = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
     gl.thread_barrier()
     mbarrier.arrive(k_empty.index(0))
     p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, 0, keys, q_pos, kv_len, first_masked,
@@ -169,7 +185,7 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
         s = i % STAGES
         prev = (i - 1) % STAGES
         mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
-        qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False,
+        qk = warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)
         # Only the request's last tile can hold keys past kv_len, so tile i - 1 never does.
         mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
@@ -186,13 +202,20 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
     last = (n_tiles - 1) % STAGES
+    last_j0 = (n_tiles - 1) * BLOCK_N
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    _zero_keys_past(v_bufs.index(last), (n_tiles - 1) * BLOCK_N, kv_len, BLOCK_N, D, warps)
+    if last_j0 + BLOCK_N > kv_len:
+        # Each warpgroup zeroes half of the tile's V rows; both P V products read all of them.
+        HALF: gl.constexpr = BLOCK_N // 2
+        _zero_keys_past(v_bufs.index(last).slice(WG * HALF, HALF), last_j0 + WG * HALF, kv_len,
+                        HALF, D, warps)
+        mbarrier.arrive(v_masked)
+        mbarrier.wait(v_masked, 0)
     acc = warpgroup_mma(p_op, v_bufs.index(last), acc)
     gl.thread_barrier()
     mbarrier.arrive(v_empty.index(last))
-    _store_rows(acc, l_i, out_ptr, stride_ot, stride_oh, tok0, h, q_len, m0, bmm2_scale,
-                o_layout, BLOCK_M, D)
+    _store_rows(acc, l_i, out_ptr, stride_ot, stride_oh, tok0, h, q_len, row0, bmm2_scale,
+                o_layout, ROWS, D)
 
 
 @gluon.jit
@@ -214,7 +237,8 @@ def context_ws_kernel(q_desc, k_desc, v_desc, k_tables_ptr, v_tables_ptr, seq_le
                       scale_log2, bmm2_scale,
                       GROUP: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr,
                       D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr):
     """Query rows ``[m0, m0 + BLOCK_M)`` of one request and head.  ``k_desc`` / ``v_desc``: 2-D
     descriptors over the caches' rows of ``D`` values, ``BOX``-row boxes; KV head ``hkv`` of
     page ``p`` starts at row ``p * k_page_rows + hkv * k_head_rows`` (V alike)."""
@@ -245,25 +269,31 @@ def context_ws_kernel(q_desc, k_desc, v_desc, k_tables_ptr, v_tables_ptr, seq_le
             k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_masked = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(q_bar, count=1)
             for i in gl.static_range(STAGES):
                 mbarrier.init(k_ready.index(i), count=1)
-                mbarrier.init(k_empty.index(i), count=1)
+                mbarrier.init(k_empty.index(i), count=2)
                 mbarrier.init(v_ready.index(i), count=1)
-                mbarrier.init(v_empty.index(i), count=1)
+                mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(v_masked, count=2)
             hkv = h // GROUP
             k_table = k_tables_ptr + b.to(gl.int64) * stride_ktb
             v_table = v_tables_ptr + b.to(gl.int64) * stride_vtb
             gl.warp_specialize([
                 (_softmax_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
-                                      v_empty, out_ptr, stride_ot, stride_oh, q_start, h, q_len,
-                                      m0, kv_len, n_tiles, scale_log2, bmm2_scale, CAUSAL,
-                                      BLOCK_M, BLOCK_N, D, STAGES)),
+                                      v_empty, v_masked, out_ptr, stride_ot, stride_oh,
+                                      q_start, h, q_len, m0, kv_len, n_tiles, scale_log2,
+                                      bmm2_scale, 0, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_softmax_partition, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                                      v_empty, v_masked, out_ptr, stride_ot, stride_oh,
+                                      q_start, h, q_len, m0, kv_len, n_tiles, scale_log2,
+                                      bmm2_scale, 1, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES)),
                 (_loader, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready,
                            k_empty, v_ready, v_empty, k_table, v_table, q_start + m0, h * D,
                            kv_len, hkv * k_head_rows, hkv * v_head_rows, k_page_rows,
                            v_page_rows, n_tiles, PAGE, BOX, BLOCK_N, STAGES)),
-            ], [1], [40])
+            ], [gl.num_warps(), 1], [CONSUMER_REGS, 40])
 
 
 # --------------------------------------------------------------------------- host
@@ -317,4 +347,5 @@ def context_ws(p: PagedAttention) -> None:
         num_heads, k_head_rows, k_page_rows, v_head_rows, v_page_rows,
         p.bmm1_scale * math.log2(math.e), p.bmm2_scale,
         GROUP=p.group, PAGE=p.page_size, BOX=box, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        STAGES=STAGES, CAUSAL=p.causal, num_warps=NUM_WARPS)
+        STAGES=STAGES, CAUSAL=p.causal, CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=WARPGROUP)
