@@ -71,6 +71,23 @@ def test_serves_needs_a_contiguous_query(problem_of):
                                             out=torch.empty_like(strided)))
 
 
+@pytest.mark.parametrize(("programs", "max_q_len", "threshold", "grid", "qblock_major"), [
+    (64, 300, 256, (3, 64), True),
+    (64, 300, 301, (64, 3), False),
+    (65535, 1000, 0, (8, 65535), True),
+    (65536, 1000, 0, (65536, 8), False),     # would not fit the grid's second dimension
+    (4, 0, 0, (1, 4), True),                 # one block at least
+])
+def test_launch_grid(programs, max_q_len, threshold, grid, qblock_major, monkeypatch):
+    monkeypatch.setattr(tuning, "CONTEXT_QBLOCK_MAJOR_MIN_Q_LEN", threshold)
+    assert context_ws.launch_grid(programs, max_q_len) == (grid, qblock_major)
+
+
+def test_long_requests_go_query_block_first():
+    assert tuning.CONTEXT_QBLOCK_MAJOR_MIN_Q_LEN == 16384
+    assert context_ws.launch_grid(32, 16384)[1] and not context_ws.launch_grid(32, 8192)[1]
+
+
 GPU_CASES = [
     # One tile a page; several tiles a page; several pages a tile (one TMA copy each).
     FmhaCase(op="context", num_kv_heads=8, group=4, head_dim=128, page_size=128,
@@ -90,14 +107,17 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("qblock_major", [True, False])
 @pytest.mark.parametrize("case", GPU_CASES, ids=FmhaCase.label)
-def test_matches_the_oracle_and_never_reads_unowned_slots(case, monkeypatch):
+def test_matches_the_oracle_and_never_reads_unowned_slots(case, qblock_major, monkeypatch):
+    """Both grid orders (``tuning.CONTEXT_QBLOCK_MAJOR_MIN_Q_LEN``)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised kernel is sm_90 only")
     ran = []
     real = context_ws.context_ws
     monkeypatch.setattr(context_ws, "context_ws", lambda p: (ran.append(p), real(p)))
     monkeypatch.setattr(tuning, "CONTEXT_WARP_SPECIALIZED", True)
+    monkeypatch.setattr(tuning, "CONTEXT_QBLOCK_MAJOR_MIN_Q_LEN", 0 if qblock_major else 2**31)
     monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")
     kw = make_call(case, torch.device("cuda"), seed=zlib.crc32(case.label().encode()))
     poison_unowned_slots(case, kw)

@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from cake_sp.kernels.fmha import tuning
 from cake_sp.kernels.fmha.problem import PagedAttention, cache_rows
 
 BLOCK_M = 128
@@ -57,6 +58,8 @@ STAGES = 2
 HEAD_DIMS = (64, 128)
 # Pages of fewer keys than this would need more than 8 copies per tile.
 MIN_BOX = 16
+# Programs a grid's second dimension may hold.
+MAX_GRID_Y = 65535
 
 
 @gluon.constexpr_function
@@ -238,13 +241,22 @@ def context_ws_kernel(q_desc, k_desc, v_desc, k_tables_ptr, v_tables_ptr, seq_le
                       GROUP: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr,
                       D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr):
+                      CONSUMER_REGS: gl.constexpr, QBLOCK_MAJOR: gl.constexpr):
     """Query rows ``[m0, m0 + BLOCK_M)`` of one request and head.  ``k_desc`` / ``v_desc``: 2-D
     descriptors over the caches' rows of ``D`` values, ``BOX``-row boxes; KV head ``hkv`` of
     page ``p`` starts at row ``p * k_page_rows + hkv * k_head_rows`` (V alike)."""
-    pid = gl.program_id(0)
+    # QBLOCK_MAJOR: the grid is (query blocks, requests x heads), so the programs in flight
+    # share one K/V head's keys (fewer bytes from HBM on long requests); else transposed.
+    if QBLOCK_MAJOR:
+        pid = gl.program_id(1)
+        block = gl.program_id(0)
+        blocks = gl.num_programs(0)
+    else:
+        pid = gl.program_id(0)
+        block = gl.program_id(1)
+        blocks = gl.num_programs(1)
     # The last query blocks of a causal request see the most keys: launch them first.
-    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
+    m0 = (blocks - 1 - block) * BLOCK_M
     b = pid // num_heads
     h = pid % num_heads
     q_start = gl.load(cu_q_ptr + b).to(gl.int32)
@@ -331,6 +343,17 @@ def serves(p: PagedAttention) -> bool:
             and (page % BLOCK_N == 0 or (BLOCK_N % page == 0 and page >= MIN_BOX)))
 
 
+def launch_grid(programs_per_block: int, max_q_len: int) -> tuple[tuple[int, int], bool]:
+    """``(grid, qblock_major)`` of a call with ``programs_per_block`` (requests x heads)
+    programs per query block and at most ``max_q_len`` query tokens a request: query block
+    first from ``tuning.CONTEXT_QBLOCK_MAJOR_MIN_Q_LEN`` tokens, unless the requests x heads
+    would not fit a grid's second dimension."""
+    blocks = max(1, triton.cdiv(max_q_len, BLOCK_M))
+    if max_q_len >= tuning.CONTEXT_QBLOCK_MAJOR_MIN_Q_LEN and programs_per_block <= MAX_GRID_Y:
+        return (blocks, programs_per_block), True
+    return (programs_per_block, blocks), False
+
+
 def context_ws(p: PagedAttention) -> None:
     """Run ``p`` (a context call that :func:`serves` accepts, TMA-readable caches)."""
     t, num_heads, d = p.query.shape
@@ -340,7 +363,7 @@ def context_ws(p: PagedAttention) -> None:
                               _shared_layout(BLOCK_M, d))
     k_desc, k_head_rows, k_page_rows = _rows_descriptor(p.k_cache, box)
     v_desc, v_head_rows, v_page_rows = _rows_descriptor(p.v_cache, box)
-    grid = (p.batch * num_heads, max(1, triton.cdiv(p.max_q_len, BLOCK_M)))
+    grid, qblock_major = launch_grid(p.batch * num_heads, p.max_q_len)
     context_ws_kernel[grid](
         q_desc, k_desc, v_desc, p.k_tables, p.v_tables, p.seq_lens, p.cu_q, p.out,
         p.k_tables.stride(0), p.v_tables.stride(0), p.out.stride(0), p.out.stride(1),
@@ -348,4 +371,4 @@ def context_ws(p: PagedAttention) -> None:
         p.bmm1_scale * math.log2(math.e), p.bmm2_scale,
         GROUP=p.group, PAGE=p.page_size, BOX=box, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         STAGES=STAGES, CAUSAL=p.causal, CONSUMER_REGS=CONSUMER_REGS,
-        num_warps=WARPGROUP)
+        QBLOCK_MAJOR=qblock_major, num_warps=WARPGROUP)

@@ -57,9 +57,14 @@ CONTEXT_USE_TMA = True
 
 # The warp-specialised Gluon kernel (context_ws.py) for the calls it serves on sm_90.  Causal,
 # GQA 32/8, D = 128 on an H200, T = 4k-64k: 423-492 TFLOP/s against 414-470 for the tl.dot
-# kernel in the same run (docs/results.md, the FMHA section).  Tests switch it off to reach
-# the tl.dot kernel on those calls.
+# kernel in one run, before its two consumer partitions took it to 530-609 (docs/results.md,
+# "Two consumer partitions").  Tests switch it off to reach the tl.dot kernel on those calls.
 CONTEXT_WARP_SPECIALIZED = True
+# context_ws's grid goes query block first from requests of this many query tokens, so the
+# programs in flight share one K/V head's keys in L2.  On an H200 (same section; one causal
+# sequence, GQA 32/8) that took 0.92-0.97x the time of request x head first at 16k-64k tokens
+# and 1.08x at 4k (8k not measured).
+CONTEXT_QBLOCK_MAJOR_MIN_Q_LEN = 16384
 
 
 def context_tma_available(device: torch.device) -> bool:
