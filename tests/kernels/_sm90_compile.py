@@ -113,8 +113,12 @@ def build_fmha_context(config: dict) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from _fmha_cases import FmhaCase, call, make_call
 
-    from cake_sp.kernels.fmha import api, context_ws
+    from cake_sp.kernels.fmha import api, context_ws, tuning
 
+    config = dict(config)
+    # The grid order (context_ws.launch_grid) from this many query tokens, if given.
+    if "qblock_major_min_q_len" in config:
+        tuning.CONTEXT_QBLOCK_MAJOR_MIN_Q_LEN = config.pop("qblock_major_min_q_len")
     case = FmhaCase(**{**dict(op="context", head_dim=128, page_size=128, kv_lens=(300, 5),
                               q_lens=(300, 5)), **config})
     # The public call validates and builds the problem; the route is not taken.

@@ -43,6 +43,8 @@ BUILDS = {
     "fmha-context-d128": ("fmha_context", {}),
     "fmha-context-d64-page16": ("fmha_context", {"head_dim": 64, "page_size": 16,
                                                  "causal": False}),
+    # The grid query block first (the calls of long requests).
+    "fmha-context-query-block-first": ("fmha_context", {"qblock_major_min_q_len": 0}),
 }
 
 
