@@ -3,7 +3,7 @@
 
 Triton 3.6 gives ``tl.dot`` code no warp specialisation on sm_90a, so ``context.py``'s
 kernel issues its loads, its two GEMMs and its softmax from the same warps.  This kernel
-spells out FlashAttention-3's structure in two partitions over one program's 128 query
+spells out FlashAttention-3's structure in three partitions over one program's 128 query
 rows of one request and head:
 
 * *loader* (one warp): Q once by TMA, then for each 128-key tile its K and V rows by TMA
@@ -246,7 +246,7 @@ def context_ws_kernel(q_desc, k_desc, v_desc, k_tables_ptr, v_tables_ptr, seq_le
     descriptors over the caches' rows of ``D`` values, ``BOX``-row boxes; KV head ``hkv`` of
     page ``p`` starts at row ``p * k_page_rows + hkv * k_head_rows`` (V alike)."""
     # QBLOCK_MAJOR: the grid is (query blocks, requests x heads), so the programs in flight
-    # share one K/V head's keys (fewer bytes from HBM on long requests); else transposed.
+    # share one K/V head's keys in L2 (faster on long requests, launch_grid); else transposed.
     if QBLOCK_MAJOR:
         pid = gl.program_id(1)
         block = gl.program_id(0)
