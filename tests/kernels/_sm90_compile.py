@@ -48,15 +48,21 @@ class _StubDriver:
 
 
 class _Warmup:
-    """Stands in for the Gluon kernel: ``kernel[grid](...)`` compiles and keeps the result."""
+    """Stands in for the Gluon kernel: ``kernel[grid](...)`` compiles and keeps the result, and
+    the launch's integer and boolean keyword arguments (the variant the launcher chose)."""
 
     def __init__(self, kernel):
-        self.kernel, self.compiled = kernel, None
+        self.kernel, self.compiled, self.constants = kernel, None, {}
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
+            self.constants = {k: v for k, v in kwargs.items() if isinstance(v, (bool, int))}
         return launch
+
+    def report(self) -> dict:
+        return {"shared_bytes": self.compiled.metadata.shared, "constants": self.constants,
+                **_ptxas_report(self.compiled.asm["ptx"])}
 
 
 def _ptxas_report(ptx: str) -> dict:
@@ -105,8 +111,7 @@ def build_producer(config: dict) -> dict:
         dest_table=torch.zeros(w, dtype=i64), seq_local=rows, dest_seq_offset=0, eps=1e-6,
         rope_style=c["rope_style"], signals=signals,
         bad_positions=torch.zeros(1, dtype=i64) if c["positions"] else None, num_sms=132)
-    return {"shared_bytes": kernel.compiled.metadata.shared,
-            **_ptxas_report(kernel.compiled.asm["ptx"])}
+    return kernel.report()
 
 
 def build_fmha_context(config: dict) -> dict:
@@ -128,8 +133,7 @@ def build_fmha_context(config: dict) -> dict:
     kernel = _Warmup(context_ws.context_ws_kernel)
     context_ws.context_ws_kernel = kernel
     context_ws.context_ws(problem)
-    return {"shared_bytes": kernel.compiled.metadata.shared,
-            **_ptxas_report(kernel.compiled.asm["ptx"])}
+    return kernel.report()
 
 
 BUILDERS = {"producer": build_producer, "fmha_context": build_fmha_context}

@@ -27,30 +27,35 @@ SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one sm_90 CTA may take
 BUILDS = {
     # The warp-specialised producer.  Both norm weights: the 256-row tile, bf16 hand-off;
     # bias, signals, NeoX.
-    "producer-norm-in-mma": ("producer", {}),
+    "producer-norm-in-mma": ("producer", {}, {"TILE_M": 256, "NORM_IN_MMA": True}),
     # No norms: the 128-row fp32 hand-off, interleaved RoPE, positions.
     "producer-fp32-hand-off": ("producer", {"norms": False, "rope_style": "interleaved",
-                                            "positions": True}),
+                                            "positions": True},
+                               {"TILE_M": 128, "NORM_IN_MMA": False}),
     # Both norm weights where 128-row tiles fill the waves better (_config.producer_ws_tile):
     # the fp32 hand-off, normalised by the epilogue partition.
-    "producer-norms-128-row-tile": ("producer", {"q_heads": 24, "hidden": 3072, "rows": 2048}),
+    "producer-norms-128-row-tile": ("producer", {"q_heads": 24, "hidden": 3072, "rows": 2048},
+                                    {"TILE_M": 128, "NORM_IN_MMA": False, "HAS_Q_NORM": True}),
     # GQA replication at W = 4, D = 64, a tail row block.
     "producer-d64-replicated": ("producer", {"world": 4, "q_heads": 16, "kv_heads": 2,
-                                             "head_dim": 64, "hidden": 1024, "rows": 1000}),
+                                             "head_dim": 64, "hidden": 1024, "rows": 1000},
+                                {"D": 64, "KV_REPLICAS": 2}),
     # No signals, no bias (the NCCL path's packing).
-    "producer-no-signals": ("producer", {"signals": False, "bias": False}),
+    "producer-no-signals": ("producer", {"signals": False, "bias": False},
+                            {"SIGNAL": False, "HAS_BIAS": False}),
     # The warp-specialised paged context kernel: D 128 and 64, pages split into copies.
-    "fmha-context-d128": ("fmha_context", {}),
+    "fmha-context-d128": ("fmha_context", {}, {"QBLOCK_MAJOR": False}),
     "fmha-context-d64-page16": ("fmha_context", {"head_dim": 64, "page_size": 16,
-                                                 "causal": False}),
+                                                 "causal": False}, {"D": 64}),
     # The grid query block first (the calls of long requests).
-    "fmha-context-query-block-first": ("fmha_context", {"qblock_major_min_q_len": 0}),
+    "fmha-context-query-block-first": ("fmha_context", {"qblock_major_min_q_len": 0},
+                                       {"QBLOCK_MAJOR": True}),
 }
 
 
 @pytest.mark.parametrize("name", list(BUILDS))
 def test_builds_for_sm90_without_spills(name):
-    kernel, config = BUILDS[name]
+    kernel, config, constants = BUILDS[name]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, str(HELPER), kernel, json.dumps(config)], env=env,
@@ -59,3 +64,5 @@ def test_builds_for_sm90_without_spills(name):
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["spill_bytes"] == 0, report
     assert 0 < report["shared_bytes"] <= SM90_SHARED_BYTES, report
+    # The launcher built the variant the configuration is meant to cover.
+    assert {k: report["constants"].get(k) for k in constants} == constants, report
