@@ -134,13 +134,15 @@ def producer_engine(rows: int, total_heads: int, head_dim: int, num_sms: int,
     CPU interpreter: the fused one); see ``PRODUCER_CUBLAS_MAX_ROWS``."""
     if not on_gpu or rows > PRODUCER_CUBLAS_MAX_ROWS:
         return "fused"
-    tiles = -(-rows // producer_tile_m(head_dim, PRODUCER_BLOCK_M)) * total_heads
-    return "fused" if wave_fill(tiles, num_sms) >= PRODUCER_FUSED_MIN_FILL else "cublas"
+    fill = wave_fill(rows, producer_tile_m(head_dim, PRODUCER_BLOCK_M), total_heads, num_sms)
+    return "fused" if fill >= PRODUCER_FUSED_MIN_FILL else "cublas"
 
 
-def wave_fill(tiles: int, num_sms: int) -> float:
-    """How full a persistent grid's waves are: ``tiles`` over ``num_sms`` times the waves
-    (1.0: every wave full; 0.55: the last one about a tenth full of two)."""
+def wave_fill(rows: int, tile_rows: int, total_heads: int, num_sms: int) -> float:
+    """How full a persistent grid's waves of (``tile_rows`` row block, head) tiles are: the
+    tiles over ``num_sms`` times the waves (1.0: every wave full; 0.55: the last one about
+    a tenth full of two)."""
+    tiles = -(-rows // tile_rows) * total_heads
     return tiles / (-(-tiles // num_sms) * num_sms)
 
 
@@ -195,10 +197,9 @@ def producer_ws_tile(rows: int, total_heads: int, num_sms: int, both_norms: bool
     (``PRODUCER_WS_FILL_MARGIN``)."""
     if not (both_norms and PRODUCER_WS_NORM_IN_MMA):
         return PRODUCER_WS_TILE
-    fills = [wave_fill(-(-rows // tile.tile_m) * total_heads, num_sms)
-             for tile in (PRODUCER_WS_NORM_TILE, PRODUCER_WS_TILE)]
-    return PRODUCER_WS_TILE if fills[1] > fills[0] + PRODUCER_WS_FILL_MARGIN \
-        else PRODUCER_WS_NORM_TILE
+    big, small = (wave_fill(rows, tile.tile_m, total_heads, num_sms)
+                  for tile in (PRODUCER_WS_NORM_TILE, PRODUCER_WS_TILE))
+    return PRODUCER_WS_TILE if small > big + PRODUCER_WS_FILL_MARGIN else PRODUCER_WS_NORM_TILE
 
 # -- paged KV-cache append (qk_rope_append.py, qk_rope_fp8_append.py) --
 # Every program scans q_indptr itself; a chunk of up to 128 int32 keeps that scan to

@@ -145,10 +145,12 @@ def test_tile_rows_hold_whole_readiness_blocks(monkeypatch, interpret, head_dim,
     assert got == tile_m and got % block_m == 0
 
 
-@pytest.mark.parametrize("tiles, sms, fill", [(132, 132, 1.0), (320, 132, 320 / 396),
-                                              (1, 132, 1 / 132), (264, 132, 1.0)])
-def test_wave_fill(tiles, sms, fill):
-    assert _config.wave_fill(tiles, sms) == pytest.approx(fill)
+@pytest.mark.parametrize("rows, tile_rows, heads, sms, fill", [
+    (256, 256, 132, 132, 1.0), (2048, 256, 40, 132, 320 / 396), (1, 256, 1, 132, 1 / 132),
+    (257, 256, 132, 132, 1.0), (2049, 128, 40, 132, 680 / 792),   # a tail row block
+])
+def test_wave_fill(rows, tile_rows, heads, sms, fill):
+    assert _config.wave_fill(rows, tile_rows, heads, sms) == pytest.approx(fill)
 
 
 @pytest.mark.parametrize("rows, heads, tile_m", [
