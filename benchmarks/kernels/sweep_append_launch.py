@@ -6,12 +6,15 @@ graph of 20 calls (median of 30 replays)::
 
     python benchmarks/kernels/sweep_append_launch.py --part tile --json tile.json
     python benchmarks/kernels/sweep_append_launch.py --part clear --json clear.json
+    python benchmarks/kernels/sweep_append_launch.py --part order --json order.json
 
 ``tile``: tokens a tile program holds (512, 1024, 2048 channels of one head) x warps
 (1, 2, 4, 8), BF16 and FP8 (dynamic Q scale), page 16.  ``clear``: the ``(row, kv head)``
-pairs of a last page one request program clears (16-256), BF16, pages of 16 and 64.  A
-variant patches ``_config`` for its calls; the table itself is edited by hand from the
-results (docs/results.md).
+pairs of a last page one request program clears (16-256), BF16, pages of 16 and 64.
+``order``: every BF16 row (with norm) and the FP8 rows ``--fp8-rows`` names, each on
+its own tool's inputs: the table's launch and, request programs first or tile programs
+first, clear shares of ``--pairs`` (8-128 pairs), timed A/B/B/A.  A variant patches ``_config``
+for its calls; the table itself is edited by hand from the results (docs/results.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import cake_sp
 from cake_sp.kernels import _config
 
 CALLS, REPLAYS = 20, 30
+HARNESS = None  # the BF16 comparison tool's module (its capture and replay timing)
 
 
 def block_m_for(channels: int):
@@ -58,7 +62,7 @@ def fp8_call(h, p: dict, outs):
 def time_variant(h, p: dict, op: str, channels: int, warps: int, pairs: int) -> float | str:
     _config.append_block_m = block_m_for(channels)
     _config.append_num_warps = lambda num_tokens, num_slots: warps
-    _config.append_clear_pairs = lambda page_size, num_kv_heads: pairs
+    _config.append_clear_pairs = lambda page_size, num_kv_heads, num_requests: pairs
     outs = h.fresh_outputs(p)
     fn = h.project_arm(cake_sp, p, outs) if op == "bf16" else fp8_call(h, p, outs)
     try:
@@ -68,15 +72,77 @@ def time_variant(h, p: dict, op: str, channels: int, warps: int, pairs: int) -> 
         return repr(e)[:80]
 
 
+def graph_of(fn, tiles_first: bool | None = None, pairs: int | None = None):
+    """A CUDA graph of ``CALLS`` calls of ``fn`` launched with the table's shapes but for the
+    given order and clear share, where given (pairs under ``APPEND_BLOCK_R`` shrink that
+    block too)."""
+    saved = (_config.append_tiles_first, _config.append_clear_pairs, _config.APPEND_BLOCK_R)
+    if tiles_first is not None:
+        _config.append_tiles_first = lambda tile_programs, request_programs: tiles_first
+    if pairs is not None:
+        _config.append_clear_pairs = lambda page_size, num_kv_heads, num_requests: pairs
+        _config.APPEND_BLOCK_R = min(pairs, _config.APPEND_BLOCK_R)
+    try:
+        return HARNESS.capture(fn, CALLS)
+    finally:
+        _config.append_tiles_first, _config.append_clear_pairs, _config.APPEND_BLOCK_R = saved
+
+
+def interleaved_us(graphs: dict, rounds: int, reps: int = 5) -> dict[str, float]:
+    """Median us per call of each graph, replayed in turn and back (A/B/B/A) ``rounds`` times."""
+    names = list(graphs)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(rounds):
+        for name in names + names[::-1]:
+            samples[name] += [HARNESS.replay_us(graphs[name], CALLS) for _ in range(reps)]
+    return {n: round(statistics.median(v), 3) for n, v in samples.items()}
+
+
+def order_part(h, h8, fp8_rows: set[str], pairs: list[int]) -> list[dict]:
+    """The ``order`` sweep: each row's arm from its own tool, on that tool's inputs."""
+    start, results = time.time(), []
+    cases = [("bf16", geometry, row, h.problem_for(row, 2, geometry, torch.device("cuda"), 1))
+             for geometry in ("brief", "pr") for row in h.ROWS]
+    cases += [("fp8", geometry, row, h8.problem_for(row, geometry, torch.device("cuda"), 1))
+              for geometry in ("brief", "pr") for row in h8.ROWS
+              if f"{geometry} {row.name}" in fp8_rows]
+    for op, geometry, row, p in cases:
+        tool = h if op == "bf16" else h8
+        fn = tool.project_arm(cake_sp, p, tool.fresh_outputs(p))
+        graphs = {"table": graph_of(fn)}
+        graphs |= {f"p{n} {o}": graph_of(fn, o == "T", n) for n in pairs for o in "RT"}
+        times = interleaved_us(graphs, rounds=3)
+        results.append(dict(op=op, geometry=geometry, row=row.name, times=times))
+        best = sorted(times, key=times.get)[:3]
+        print(f"{op} {geometry:5s} {row.name:24s} table={times['table']:.2f} "
+              + " ".join(f"{b}={times[b]:.2f}" for b in best)
+              + f"  [{time.time() - start:.0f} s]", flush=True)
+    return results
+
+
 def main() -> None:
+    global HARNESS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("tile", "clear"), required=True)
+    ap.add_argument("--part", choices=("tile", "clear", "order"), required=True)
     ap.add_argument("--anchor-dir", default=".anchors/flashinfer_append",
                     help="a copy of the FlashInfer comparison tool (its rows and inputs)")
     ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--fp8-rows", default="pr P_decode_64x8_q1_n2,pr P_prefill_64x8_q1_n2,"
+                    "pr P_prefill_64x8_q2_n2,pr E_prefill_64x8_q128,pr P_decode_8x1_q1_n2,"
+                    "brief P_decode_64x8_q1_n2,brief P_prefill_64x8_q2_n2",
+                    help="order part: the FP8 rows (geometry name) it covers")
+    ap.add_argument("--pairs", default="8,16,32,64,128",
+                    help="order part: the clear shares (pairs) it tries in both orders")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(args.anchor_dir).resolve()))
     import bench_append_vs_flashinfer as h
+    HARNESS = h
+    if args.part == "order":
+        import bench_fp8_append_vs_flashinfer as h8
+        results = order_part(h, h8, set(args.fp8_rows.split(",")),
+                             [int(n) for n in args.pairs.split(",")])
+        args.json.write_text(json.dumps(results, indent=1))
+        return
 
     start, results = time.time(), []
     for geometry in ("brief",) if args.part == "tile" else ("brief", "pr"):

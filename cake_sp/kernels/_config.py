@@ -209,12 +209,15 @@ APPEND_CHUNK_B: int = 128
 APPEND_CHUNK_P: int = 64
 # (row, kv head) pairs a request program zeroes per step when clearing a last page.
 APPEND_BLOCK_R: int = 16
+# Request programs below which small pages' clear shares shrink (append_clear_pairs).
+APPEND_MIN_REQUEST_PROGRAMS: int = 128
 
 
-# Launch shapes of the append kernels, chosen on an H200 from a sweep over the rows of
-# the FlashInfer comparison (docs/results.md: block of 4/8/16 tokens x 1/2/4/8 warps,
-# clear shares of 16-256 pairs); each choice below was within 1-4 % (geometric mean) of
-# the best per row, where single samples vary by up to 10 %.
+# Launch shapes of the append kernels, chosen on an H200 from sweeps over the rows of
+# the FlashInfer comparison (docs/results.md: block of 4/8/16 tokens x 1/2/4/8 warps;
+# clear shares of 8-128 pairs x the order of the two kinds of programs); each choice
+# below was within 1-4 % (geometric mean) of the best per row, where single samples
+# vary by up to 5-10 %.
 # A tile program holds 1024 channels of one head: 8 tokens at D = 128.
 APPEND_TILE_CHANNELS: int = 1024
 # Up to this many (token, head) rows in the batch, 4 warps (8 values a thread: more
@@ -237,16 +240,31 @@ def append_num_warps(num_tokens: int, num_slots: int) -> int:
     return 4 if num_tokens * num_slots <= APPEND_SMALL_BATCH_ROWS else 2
 
 
-def append_clear_pairs(page_size: int, num_kv_heads: int) -> int:
+def append_clear_pairs(page_size: int, num_kv_heads: int, num_requests: int) -> int:
     """``(row, kv head)`` pairs of a last page one request program clears (a multiple of
     ``APPEND_BLOCK_R``): a page's tail is split over ``ceil(page_size * Hkv / this)``
-    programs.  Pages under 64 rows leave short tails, and a share that finds no row
-    to clear still costs a program: one program takes up to 128 pairs.  Larger pages
-    leave long tails on average, spread in shares of 32 pairs (several kv heads) or
-    64 (one)."""
-    if page_size < 64:
-        return 128
-    return 32 if num_kv_heads > 1 else 64
+    programs.
+
+    Pages of 64 rows and more leave long tails on average: shares of ``APPEND_BLOCK_R``
+    pairs, one store per cache, so that enough stores are in flight.  Smaller pages
+    leave short tails, and a share that finds no row to clear still costs a program:
+    the largest share up to 128 pairs that still gives the batch
+    ``APPEND_MIN_REQUEST_PROGRAMS`` request programs (a few requests' tails are not
+    left to a few programs).
+    """
+    if page_size >= 64:
+        return APPEND_BLOCK_R
+    pairs = 128
+    while pairs > APPEND_BLOCK_R and (
+            num_requests * -(-page_size * num_kv_heads // pairs) < APPEND_MIN_REQUEST_PROGRAMS):
+        pairs //= 2
+    return pairs
+
+
+def append_tiles_first(tile_programs: int, request_programs: int) -> bool:
+    """Whether an append grid puts its tile programs before its request programs: the
+    smaller group goes first, so that its programs do not start behind the other's."""
+    return tile_programs < request_programs
 
 
 def producer_mainloop(allowed: tuple[str, ...] | list[str], rows: int) -> str:

@@ -1,7 +1,8 @@
 """Paged KV-cache append: what the BF16 and FP8 append kernels share.
 
 Both kernels (``qk_rope_append.py``, ``qk_rope_fp8_append.py``) run one 1-D
-grid of two kinds of programs (``launch_plan`` sizes it from ``_config``'s table):
+grid of two kinds of programs (``launch_plan`` sizes it from ``_config``'s table,
+``program_role`` says which is which):
 
 * *request* programs, ``CLEAR_PROGRAMS`` per request ``b``: each validates the
   metadata and zeroes its share of the unused rows of ``b``'s last page (the
@@ -10,6 +11,9 @@ grid of two kinds of programs (``launch_plan`` sizes it from ``_config``'s table
 * a *tile* program per ``(BLOCK_M tokens, head slot)``: slot ``s`` is column
   block ``s`` of the packed ``qkv`` row, so slots ``[0, Hq)`` are Q heads,
   ``[Hq, Hq + Hkv)`` K heads and ``[Hq + Hkv, Hq + 2 Hkv)`` V heads.
+
+The smaller of the two groups comes first in the grid (``_config.append_tiles_first``),
+so that it is not dispatched behind the other.
 
 Metadata, as in FlashInfer's cake contract: ``q_indptr[B + 1]`` splits the ``T``
 packed tokens into requests, ``seq_lens[B]`` is each request's length *after*
@@ -60,6 +64,26 @@ _ERR_PAGE: tl.constexpr = tl.constexpr(ERR_PAGE)
 # over masked chunks instead of runtime bounds, which Triton's CPU interpreter
 # cannot iterate (its scalars are 1-element arrays, which NumPy 2 refuses to
 # turn into an index).
+
+
+@triton.jit
+def program_role(pid, num_tokens, num_req, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 CLEAR_PROGRAMS: tl.constexpr, TILES_FIRST: tl.constexpr):
+    """``(is_request, index)``: whether program ``pid`` of the grid is a request program,
+    and its index among the programs of its kind.
+
+    ``TILES_FIRST``: the ``cdiv(T, BLOCK_M) * NUM_SLOTS`` tile programs come first, then
+    the ``B * CLEAR_PROGRAMS`` request programs; otherwise the other way round.
+    """
+    if TILES_FIRST:
+        tiles = tl.cdiv(num_tokens, BLOCK_M) * NUM_SLOTS
+        is_request = pid >= tiles
+        index = tl.where(is_request, pid - tiles, pid)
+    else:
+        requests = num_req * CLEAR_PROGRAMS
+        is_request = pid < requests
+        index = tl.where(is_request, pid, pid - requests)
+    return is_request, index
 
 
 @triton.jit
@@ -318,8 +342,8 @@ def request_program(pid, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_p
 
 def launch_plan(num_tokens: int, num_req: int, num_slots: int, num_kv_heads: int,
                 head_dim: int, page_size: int, max_pages: int, clear: bool) -> dict[str, int]:
-    """Grid and compile-time shapes of one append launch: ``grid`` (request programs
-    first, then tile programs), ``num_warps`` and the kernels' constexprs.
+    """Grid and compile-time shapes of one append launch: ``grid``, ``num_warps`` and
+    the kernels' constexprs (``TILES_FIRST``: the order of the two kinds of programs).
 
     Tile and clear sizes come from ``_config``'s per-shape table; the loop chunks
     are no wider than the tables they scan (8 requests are not padded to 128).
@@ -327,17 +351,19 @@ def launch_plan(num_tokens: int, num_req: int, num_slots: int, num_kv_heads: int
     block_m = _config.append_block_m(num_tokens, head_dim)
     pairs = page_size * num_kv_heads  # (row, kv head) pairs of one page
     block_r = _config.APPEND_BLOCK_R
-    clear_pairs = min(_config.append_clear_pairs(page_size, num_kv_heads),
+    clear_pairs = min(_config.append_clear_pairs(page_size, num_kv_heads, num_req),
                       triton.cdiv(pairs, block_r) * block_r)
     clear_programs = triton.cdiv(pairs, clear_pairs) if clear else 1
     chunk_b = min(_config.APPEND_CHUNK_B, triton.next_power_of_2(num_req))
     chunk_p = min(_config.APPEND_CHUNK_P, triton.next_power_of_2(max_pages))
+    tile_programs = triton.cdiv(num_tokens, block_m) * num_slots
     return dict(
-        grid=num_req * clear_programs + triton.cdiv(num_tokens, block_m) * num_slots,
+        grid=num_req * clear_programs + tile_programs,
         num_warps=_config.append_num_warps(num_tokens, num_slots), BLOCK_M=block_m,
         CHUNK_B=chunk_b, NUM_B_CHUNKS=triton.cdiv(num_req, chunk_b), CHUNK_P=chunk_p,
         NUM_P_CHUNKS=triton.cdiv(max_pages, chunk_p), BLOCK_R=block_r,
-        CLEAR_PAIRS=clear_pairs, CLEAR_PROGRAMS=clear_programs)
+        CLEAR_PAIRS=clear_pairs, CLEAR_PROGRAMS=clear_programs,
+        TILES_FIRST=_config.append_tiles_first(tile_programs, num_req * clear_programs))
 
 
 # ----------------------------------------------------------------------------- host

@@ -24,6 +24,7 @@ from cake_sp.kernels.paged_append import (
     describe,
     launch_plan,
     normalized_rotated_head,
+    program_role,
     request_program,
     store_kv_rows,
     store_token_rows,
@@ -47,24 +48,24 @@ def _qk_rope_append_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr,
     CHUNK_P: tl.constexpr, NUM_P_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
-    CLEAR_PAIRS: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr,
+    CLEAR_PAIRS: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr, TILES_FIRST: tl.constexpr,
     POLICY: tl.constexpr, STYLE: tl.constexpr, K_TO_CACHE: tl.constexpr,
     V_TO_CACHE: tl.constexpr, CLEAR: tl.constexpr, HAS_ERROR_FLAGS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Programs ``[0, B * CLEAR_PROGRAMS)`` are request programs, the rest tile programs
-    (``paged_append``).  Q/K: ``bf16(qk_norm_rope(fp32(x)))``, rounded once;
-    V: the input bits, copied."""
-    pid = tl.program_id(0)
-    if pid < num_req * CLEAR_PROGRAMS:
-        request_program(pid, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_ptr,
+    """Request and tile programs (``paged_append``), in the order ``TILES_FIRST`` says.
+    Q/K: ``bf16(qk_norm_rope(fp32(x)))``, rounded once; V: the input bits, copied."""
+    is_request, index = program_role(tl.program_id(0), num_tokens, num_req, HQ + 2 * HKV,
+                                     BLOCK_M, CLEAR_PROGRAMS, TILES_FIRST)
+    if is_request:
+        request_program(index, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_ptr,
                         v_cache_ptr, error_flags_ptr, num_tokens, num_req, _NO_LIMIT, max_pos,
                         max_pages, num_pages, stride_pi, stride_cp, stride_cr, stride_ch, HKV,
                         D, PAGE_SIZE, CHUNK_B, NUM_B_CHUNKS, CHUNK_P, NUM_P_CHUNKS, BLOCK_R,
                         CLEAR_PAIRS, CLEAR_PROGRAMS, CLEAR, HAS_ERROR_FLAGS)
     else:
         slot, tok, req, r, tok_ok, pos, page, row, page_ok, x_lo, x_hi = tile_program(
-            pid - num_req * CLEAR_PROGRAMS, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr,
+            index, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr,
             num_tokens, num_req, _NO_LIMIT, max_pos, max_pages, num_pages, stride_qkv,
             stride_pi, HQ + 2 * HKV, D, PAGE_SIZE, BLOCK_M, CHUNK_B, NUM_B_CHUNKS)
         if slot < HQ + HKV:

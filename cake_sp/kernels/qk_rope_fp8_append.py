@@ -32,6 +32,7 @@ from cake_sp.kernels.paged_append import (
     describe,
     launch_plan,
     normalized_rotated_head,
+    program_role,
     request_program,
     require_tensor,
     store_kv_rows,
@@ -75,20 +76,21 @@ def _qk_rope_fp8_append_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr,
     CHUNK_P: tl.constexpr, NUM_P_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
-    CLEAR_PAIRS: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr,
+    CLEAR_PAIRS: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr, TILES_FIRST: tl.constexpr,
     POLICY: tl.constexpr, STYLE: tl.constexpr, QUANT: tl.constexpr,
     SCALE_BY_REQUEST: tl.constexpr, K_TO_CACHE: tl.constexpr, V_TO_CACHE: tl.constexpr,
     CLEAR: tl.constexpr, HAS_ERROR_FLAGS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Programs ``[0, B * CLEAR_PROGRAMS)`` are request programs, the rest tile programs
-    (``paged_append``).  Q: ``fp8(y / s)`` with ``s = max(|y|, 1e-6) / upper_max``
-    per token and head (``QUANT`` 1) or ``fp8(y * q_scale_inv)`` (2), where
-    ``y = qk_norm_rope(fp32(x))``; K: ``fp8(y / k_scale)``; V: ``fp8(fp32(v) / v_scale)``.
-    One rounding each (IEEE division, nearest-even, saturating)."""
-    pid = tl.program_id(0)
-    if pid < num_req * CLEAR_PROGRAMS:
+    """Request and tile programs (``paged_append``), in the order ``TILES_FIRST`` says.
+    Q: ``fp8(y / s)`` with ``s = max(|y|, 1e-6) / upper_max`` per token and head
+    (``QUANT`` 1) or ``fp8(y * q_scale_inv)`` (2), where ``y = qk_norm_rope(fp32(x))``;
+    K: ``fp8(y / k_scale)``; V: ``fp8(fp32(v) / v_scale)``.  One rounding each (IEEE
+    division, nearest-even, saturating)."""
+    is_request, index = program_role(tl.program_id(0), num_tokens, num_req, HQ + 2 * HKV,
+                                     BLOCK_M, CLEAR_PROGRAMS, TILES_FIRST)
+    if is_request:
         b, c, valid = request_program(
-            pid, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_ptr, v_cache_ptr,
+            index, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_ptr, v_cache_ptr,
             error_flags_ptr, num_tokens, num_req, max_req_len, max_pos, max_pages, num_pages,
             stride_pi, stride_cp, stride_cr, stride_ch, HKV, D, PAGE_SIZE, CHUNK_B,
             NUM_B_CHUNKS, CHUNK_P, NUM_P_CHUNKS, BLOCK_R, CLEAR_PAIRS, CLEAR_PROGRAMS, CLEAR,
@@ -97,7 +99,7 @@ def _qk_rope_fp8_append_kernel(
             tl.store(split_k_flag_ptr + b * HKV + h, tl.where(valid, 0, -1), mask=c == 0)
     else:
         slot, tok, req, r, tok_ok, pos, page, row, page_ok, x_lo, x_hi = tile_program(
-            pid - num_req * CLEAR_PROGRAMS, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr,
+            index, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr,
             num_tokens, num_req, max_req_len, max_pos, max_pages, num_pages, stride_qkv,
             stride_pi, HQ + 2 * HKV, D, PAGE_SIZE, BLOCK_M, CHUNK_B, NUM_B_CHUNKS)
         if slot < HQ + HKV:

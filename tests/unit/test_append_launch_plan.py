@@ -19,21 +19,33 @@ def test_small_batches_take_more_warps():
     assert _config.append_num_warps(128, 80) == 2  # decode B = 128, (64, 8)
 
 
-@pytest.mark.parametrize("page_size,num_kv_heads,clear,programs,pairs", [
-    (16, 1, True, 1, 16),     # the whole page in one share (16 pairs)
-    (16, 8, True, 1, 128),    # small pages: one program takes all 128 pairs
-    (64, 8, True, 16, 32),    # large pages: 32-pair shares, 16 programs
-    (64, 1, True, 1, 64),     # large pages, one kv head: 64-pair shares
-    (128, 1, True, 2, 64),
-    (5, 1, True, 1, 16),      # a share never below APPEND_BLOCK_R
-    (64, 8, False, 1, 32),    # no clear: one status program a request
+@pytest.mark.parametrize("page_size,num_kv_heads,num_req,clear,programs,pairs", [
+    (16, 1, 32, True, 1, 16),      # the whole page in one share (16 pairs)
+    (16, 8, 128, True, 1, 128),    # small pages, many requests: one program takes 128 pairs
+    (16, 8, 32, True, 4, 32),      # fewer requests: shares shrink to give 128 programs
+    (16, 8, 2, True, 8, 16),       # ... but never below APPEND_BLOCK_R
+    (64, 8, 32, True, 32, 16),     # large pages: shares of APPEND_BLOCK_R pairs
+    (128, 1, 32, True, 8, 16),
+    (5, 1, 32, True, 1, 16),       # a share never below APPEND_BLOCK_R
+    (64, 8, 32, False, 1, 16),     # no clear: one status program a request
 ])
-def test_clear_shares(page_size, num_kv_heads, clear, programs, pairs):
-    plan = launch_plan(num_tokens=32, num_req=32, num_slots=10, num_kv_heads=num_kv_heads,
+def test_clear_shares(page_size, num_kv_heads, num_req, clear, programs, pairs):
+    plan = launch_plan(num_tokens=32, num_req=num_req, num_slots=10, num_kv_heads=num_kv_heads,
                        head_dim=128, page_size=page_size, max_pages=70, clear=clear)
     assert (plan["CLEAR_PROGRAMS"], plan["CLEAR_PAIRS"]) == (programs, pairs)
     assert plan["CLEAR_PAIRS"] % plan["BLOCK_R"] == 0
-    assert plan["grid"] == 32 * programs + 32 // plan["BLOCK_M"] * 10
+    assert plan["grid"] == num_req * programs + 32 // plan["BLOCK_M"] * 10
+
+
+@pytest.mark.parametrize("num_tokens,num_req,page_size,tiles_first", [
+    (32, 32, 64, True),      # decode (8, 1), page 64: 128 request programs, 40 tile programs
+    (32, 32, 16, False),     # page 16: 32 request programs (one 16-pair share each)
+    (1024, 1, 64, False),    # one long prefill: 4 request programs, 1280 tile programs
+])
+def test_the_smaller_group_of_programs_goes_first(num_tokens, num_req, page_size, tiles_first):
+    plan = launch_plan(num_tokens=num_tokens, num_req=num_req, num_slots=10, num_kv_heads=1,
+                       head_dim=128, page_size=page_size, max_pages=70, clear=True)
+    assert plan["TILES_FIRST"] is tiles_first
 
 
 def test_scan_chunks_fit_the_tables():
