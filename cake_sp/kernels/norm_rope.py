@@ -76,38 +76,9 @@ def round_to_fp8e4m3(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _fma(a, b, c, INTERPRET: tl.constexpr):
-    """``a * b + c`` rounded once.  The CPU interpreter's fma rounds twice; there the
-    fp64 product of two fp32 values is exact, and so is the sum wherever ``divide_rn``
-    relies on it."""
-    if INTERPRET:
-        return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
-    return tl.fma(a, b, c)
-
-
-@triton.jit
-def divide_rn(x, s, fast, INTERPRET: tl.constexpr):
-    """``x / s`` in fp32, rounded once (IEEE, nearest-even), ``s`` broadcastable to ``x``.
-
-    With ``fast`` (a scalar, the same for the whole program), Markstein's correction
-    instead of a division per element: ``q = x * r`` with ``r = div_rn(1, s)`` is within
-    an ulp of the quotient, the residual ``x - q * s`` is exact as one FMA, and ``q +
-    residual * r`` is the correctly rounded quotient; 3 instructions and 2 selects an
-    element where ``div_rn`` takes about 15 and a slow-path branch.  The caller sets
-    ``fast`` only where that holds for every quotient FP8 e4m3 keeps: ``2^-64 <= |s| <=
-    2^64`` for a quotient of magnitude 2^-10 or more (below, FP8 rounds to zero either
-    way); zero, infinite and NaN ``x`` give what ``div_rn`` gives.
-    """
-    if fast:
-        r = tl.math.div_rn(s * 0.0 + 1.0, s)
-        q = x * r
-        e = _fma(-q, s, x, INTERPRET)
-        exact = _fma(e, r, q, INTERPRET)
-        # e == 0: q is the quotient (and keeps a zero's sign); NaN: x or q was not finite.
-        out = tl.where((e == 0.0) | (exact != exact), q, exact)
-    else:
-        out = tl.math.div_rn(x, s + tl.zeros_like(x))
-    return out
+def reciprocal_rn(s):
+    """``1 / s`` in fp32, rounded once (IEEE, nearest-even); a scalar or a tensor."""
+    return tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 The FP8 twin of ``qk_rope_append``: same grid, metadata and status flags
 (``paged_append``), but Q leaves as FP8 with a per-token-per-head (dynamic) or
-static scale, K and V are stored as FP8 ``x / k_scale`` and ``x / v_scale``,
+static scale, K and V are stored as FP8 ``x * (1 / k_scale)`` and ``x * (1 / v_scale)``,
 and the first request program of each request also writes its ``split_k_flag``
 entries: 0, or -1 when the metadata is malformed and nothing was written.
 """
@@ -16,12 +16,7 @@ import triton
 import triton.language as tl
 
 from cake_sp.kernels import _config
-from cake_sp.kernels.norm_rope import (
-    FP8_E4M3_MAX,
-    divide_rn,
-    rope_style_code,
-    round_to_fp8e4m3,
-)
+from cake_sp.kernels.norm_rope import FP8_E4M3_MAX, reciprocal_rn, rope_style_code, round_to_fp8e4m3
 from cake_sp.kernels.paged_append import (
     cache_strides,
     check_error_flags,
@@ -46,20 +41,8 @@ QUANT_POLICIES = {1: "dynamic per-token-per-head Q scale", 2: "static q_scale_in
 _QUANT_DYNAMIC: tl.constexpr = tl.constexpr(1)
 # Floor of a dynamic Q scale's numerator, so an all-zero head gets a finite scale.
 _AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-6)
-# Divisors for which divide_rn's fast path is exact at every FP8 value.
-_FAST_DIVISOR_MIN: tl.constexpr = tl.constexpr(2.0**-64)
-_FAST_DIVISOR_MAX: tl.constexpr = tl.constexpr(2.0**64)
 # q_scale of dynamic prefill pads each request's token axis to a multiple of this.
 Q_SCALE_PAD = 128
-
-
-@triton.jit
-def _divide_by_scale(x, scale, INTERPRET: tl.constexpr):
-    """``x / scale`` rounded once for the scalar K or V scale (``divide_rn``, fast for any
-    scale a cache uses: [2^-64, 2^64])."""
-    magnitude = tl.abs(scale)
-    return divide_rn(x, scale, (magnitude >= _FAST_DIVISOR_MIN) & (magnitude <= _FAST_DIVISOR_MAX),
-                     INTERPRET)
 
 
 @triton.jit
@@ -82,10 +65,11 @@ def _qk_rope_fp8_append_kernel(
     CLEAR: tl.constexpr, HAS_ERROR_FLAGS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Request and tile programs (``paged_append``), in the order ``TILES_FIRST`` says.
-    Q: ``fp8(y / s)`` with ``s = max(|y|, 1e-6) / upper_max`` per token and head
+    Q: ``fp8(y * (1 / s))`` with ``s = max(|y|, 1e-6) / upper_max`` per token and head
     (``QUANT`` 1) or ``fp8(y * q_scale_inv)`` (2), where ``y = qk_norm_rope(fp32(x))``;
-    K: ``fp8(y / k_scale)``; V: ``fp8(fp32(v) / v_scale)``.  One rounding each (IEEE
-    division, nearest-even, saturating)."""
+    K: ``fp8(y * (1 / k_scale))``; V: ``fp8(fp32(v) * (1 / v_scale))``.  ``s`` and each
+    reciprocal are rounded once (IEEE), then each product, then the FP8 conversion
+    (nearest-even, saturating), as FlashInfer's kernel does."""
     is_request, index = program_role(tl.program_id(0), num_tokens, num_req, HQ + 2 * HKV,
                                      BLOCK_M, CLEAR_PROGRAMS, TILES_FIRST)
     if is_request:
@@ -111,13 +95,9 @@ def _qk_rope_fp8_append_kernel(
                     amax = tl.maximum(tl.maximum(tl.max(tl.abs(y_lo), axis=1),
                                                  tl.max(tl.abs(y_hi), axis=1)), _AMAX_FLOOR)
                     scale = tl.math.div_rn(amax, tl.full([BLOCK_M], upper_max, tl.float32))
-                    # scale >= 1e-6 / 448 > 2^-64, and <= FLT_MAX / upper_max < 2^126:
-                    # 1 / scale is normal, all divide_rn's fast path needs here.
-                    fast = upper_max >= 4.0
-                    q_lo = round_to_fp8e4m3(divide_rn(y_lo, scale[:, None], fast, INTERPRET),
-                                            INTERPRET)
-                    q_hi = round_to_fp8e4m3(divide_rn(y_hi, scale[:, None], fast, INTERPRET),
-                                            INTERPRET)
+                    inv_scale = reciprocal_rn(scale)[:, None]
+                    q_lo = round_to_fp8e4m3(y_lo * inv_scale, INTERPRET)
+                    q_hi = round_to_fp8e4m3(y_hi * inv_scale, INTERPRET)
                     if SCALE_BY_REQUEST:
                         s_off = req.to(tl.int64) * stride_sb + r * stride_st
                     else:
@@ -129,21 +109,17 @@ def _qk_rope_fp8_append_kernel(
                     q_hi = round_to_fp8e4m3(y_hi * q_scale_inv, INTERPRET)
                 store_token_rows(out_q_ptr, q_lo, q_hi, tok, slot, tok_ok, stride_qt, stride_qh, D)
             else:
-                k_scale = tl.load(k_scale_ptr)
+                inv_k_scale = reciprocal_rn(tl.load(k_scale_ptr))
                 store_kv_rows(k_cache_ptr, out_k_ptr,
-                              round_to_fp8e4m3(_divide_by_scale(y_lo, k_scale, INTERPRET),
-                                               INTERPRET),
-                              round_to_fp8e4m3(_divide_by_scale(y_hi, k_scale, INTERPRET),
-                                               INTERPRET),
+                              round_to_fp8e4m3(y_lo * inv_k_scale, INTERPRET),
+                              round_to_fp8e4m3(y_hi * inv_k_scale, INTERPRET),
                               tok, slot - HQ, page, row, tok_ok, page_ok, stride_cp, stride_cr,
                               stride_ch, stride_kt, stride_kh, D, K_TO_CACHE)
         else:
-            v_scale = tl.load(v_scale_ptr)
+            inv_v_scale = reciprocal_rn(tl.load(v_scale_ptr))
             store_kv_rows(v_cache_ptr, out_v_ptr,
-                          round_to_fp8e4m3(_divide_by_scale(x_lo.to(tl.float32), v_scale,
-                                                            INTERPRET), INTERPRET),
-                          round_to_fp8e4m3(_divide_by_scale(x_hi.to(tl.float32), v_scale,
-                                                            INTERPRET), INTERPRET),
+                          round_to_fp8e4m3(x_lo.to(tl.float32) * inv_v_scale, INTERPRET),
+                          round_to_fp8e4m3(x_hi.to(tl.float32) * inv_v_scale, INTERPRET),
                           tok, slot - HQ - HKV, page, row, tok_ok, page_ok, stride_cp,
                           stride_cr, stride_ch, stride_vt, stride_vh, D, V_TO_CACHE)
 
@@ -271,14 +247,20 @@ def fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache(
     ``fused_qk_rmsnorm_rope_append_paged_kv_cache`` (``y`` below is its fp32,
     unrounded Q or K head; it is quantized directly, never rounded to bf16)::
 
-        quant_policy 1: q_scale[., h] = max(max|y_q|, 1e-6) / upper_max;  out_q = fp8(y_q / q_scale)
-        quant_policy 2: out_q = fp8(y_q * q_scale_inv);                    q_scale is empty
-        K[page, row] = fp8(y_k / k_scale);   V[page, row] = fp8(fp32(v) / v_scale)
+        quant_policy 1: q_scale[., h] = max(max|y_q|, 1e-6) / upper_max
+                        out_q = fp8(y_q * (1 / q_scale))
+        quant_policy 2: out_q = fp8(y_q * q_scale_inv);  q_scale is empty
+        K[page, row] = fp8(y_k * (1 / k_scale));   V[page, row] = fp8(fp32(v) * (1 / v_scale))
 
-    ``fp8`` rounds to nearest-even and saturates at +-448; the divisions are
-    IEEE fp32.  The kernel validates ``q_indptr`` on the device: if
-    ``q_indptr[0] != 0``, it decreases anywhere, ``q_indptr[B] != T``, or (dynamic
-    prefill) a request has more than ``max_seqlen`` tokens, every
+    ``fp8`` rounds to nearest-even and saturates at +-448; the division and the
+    reciprocals are IEEE fp32, each product is rounded once: FlashInfer's kernel
+    quantizes the same way (a multiplication by the reciprocal, which can differ
+    from the quotient by one fp32 ulp, so by one FP8 step at a rounding tie, and
+    costs one instruction where a correctly rounded quotient costs six).
+
+    The kernel validates ``q_indptr`` on the device: if ``q_indptr[0] != 0``, it
+    decreases anywhere, ``q_indptr[B] != T``, or (dynamic prefill) a request has
+    more than ``max_seqlen`` tokens, every
     ``split_k_flag[b, h]`` is -1 and no byte of Q, K, V, the caches or
     ``q_scale`` is written; otherwise all are 0.  No host sync, no extra launch,
     CUDA-graph capturable; runs on the current stream.

@@ -1,7 +1,8 @@
 """Fused QK RMSNorm + RoPE + FP8 quantize + paged append, against the float64 oracle.
 
 FP8 payloads are held to the FP8 rounding of the unrounded value (scaled);
-``q_scale`` to rel 1e-5; V bit-exact to ``fp8(fp32(v) / v_scale)``.  CPU cases
+``q_scale`` to rel 1e-5; V bit-exact to ``fp8(fp32(v) * fp32(1 / v_scale))``, the
+op's arithmetic.  CPU cases
 stay small (the interpreter runs programs one by one); ``gpu`` cases use
 serving shapes and CUDA graphs.
 """
@@ -15,8 +16,7 @@ import triton.language as tl
 from _append_reference import Case, check_call, plan_targets, poisoned, reference_qk, rope_table
 
 from cake_sp import fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as append_fp8
-from cake_sp.kernels import _config
-from cake_sp.kernels.norm_rope import divide_rn
+from cake_sp.kernels.norm_rope import reciprocal_rn
 from cake_sp.kernels.paged_append import ERR_METADATA, ERR_PAGE
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -81,7 +81,9 @@ def run_case(device, case: Case, *, quant=1, prefill=False, max_seqlen=0, policy
                                    q_norm_weight=weights[0], k_norm_weight=weights[1],
                                    eps=1e-6, rope_style=rope_style)
         k_ref = k64 / K_SCALE
-        v_want = (v.float() / V_SCALE).clamp(-448, 448).to(FP8)
+        # torch's fp32 reciprocal and product are IEEE, each rounded once.
+        inv_v_scale = torch.tensor(V_SCALE, dtype=torch.float32).reciprocal()
+        v_want = (v.float() * inv_v_scale).clamp(-448, 448).to(FP8)
         if quant == 1:
             s_ref = q64.abs().amax(-1).clamp_min(1e-6) / upper_max
             q_ref = q64 / s_ref[..., None]
@@ -285,33 +287,26 @@ def test_gpu_cuda_graph_replays_match_eager(device, quant, prefill):
         assert torch.equal(c.view(torch.uint8), s.view(torch.uint8))
 
 
-# ----------------------------------------------------------------------------- divide_rn
+# ----------------------------------------------------------------------------- reciprocal_rn
 
 
 @triton.jit
-def _divide_kernel(x_ptr, s_ptr, out_ptr, fast, N: tl.constexpr, INTERPRET: tl.constexpr):
+def _reciprocal_kernel(s_ptr, out_ptr, N: tl.constexpr):
     offs = tl.arange(0, N)
-    x = tl.load(x_ptr + offs)
-    s = tl.load(s_ptr + offs // 64)
-    tl.store(out_ptr + offs, divide_rn(x, s, fast != 0, INTERPRET))
+    tl.store(out_ptr + offs, reciprocal_rn(tl.load(s_ptr + offs)))
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_divide_rn_is_the_ieee_quotient(fast, device):
-    """Bit for bit ``x / s`` (torch's division is IEEE) over 64 divisors in [2^-64, 2^64],
-    dividends spread over the quotients FP8 keeps, and zeros, infinities and NaN."""
+def test_reciprocal_rn_is_the_ieee_reciprocal(device):
+    """Bit for bit ``1 / s`` (torch's fp32 reciprocal is IEEE) over scales of both signs in
+    [2^-100, 2^100], and zeros, infinities and NaN: the one rounding the op's FP8 scales take
+    before each product."""
     g = torch.Generator().manual_seed(5)
-    s = torch.exp2(torch.empty(64).uniform_(-64, 64, generator=g))
-    s *= torch.where(torch.rand(64, generator=g) < 0.5, -1.0, 1.0)
-    q = torch.exp2(torch.empty(64 * 64).uniform_(-10, 9, generator=g)) * torch.randn(
-        64 * 64, generator=g).sign()
-    x = (q * s.repeat_interleave(64)).float()
-    x[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30])
-    out = torch.full_like(x, 7.0).to(device)
-    _divide_kernel[(1,)](x.to(device), s.to(device), out, int(fast), N=x.numel(),
-                         INTERPRET=_config.INTERPRET)
-    want = x / s.repeat_interleave(64)
-    got = out.cpu()
+    s = torch.exp2(torch.empty(256).uniform_(-100, 100, generator=g)) * torch.randn(
+        256, generator=g).sign()
+    s[:5] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")])
+    out = torch.full_like(s, 7.0).to(device)
+    _reciprocal_kernel[(1,)](s.to(device), out, N=s.numel())
+    want, got = s.reciprocal(), out.cpu()
     same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
-    first = (~same).nonzero()[:4].flatten().tolist()
-    assert bool(same.all()), f"{int((~same).sum())} quotients differ, first at {first}"
+    assert bool(same.all()), f"{int((~same).sum())} reciprocals differ, first at " \
+                             f"{(~same).nonzero()[:4].flatten().tolist()}"
