@@ -94,13 +94,15 @@ def q_indptr_valid(q_indptr_ptr, num_req, num_tokens, max_req_len, CHUNK_B: tl.c
     first = tl.load(q_indptr_ptr)
     last = tl.load(q_indptr_ptr + num_req)
     bad = (first != 0).to(tl.int32) + (last != num_tokens).to(tl.int32)
+    # One reduction at the end: across warps it is a shared-memory round trip and a barrier.
+    bad_requests = tl.zeros([CHUNK_B], dtype=tl.int32)
     for c in range(NUM_B_CHUNKS):
         j = c * CHUNK_B + tl.arange(0, CHUNK_B)
         m = j < num_req
         lo = tl.load(q_indptr_ptr + j, mask=m, other=0)
         n = tl.load(q_indptr_ptr + j + 1, mask=m, other=0) - lo
-        bad += tl.sum((m & ((n < 0) | (n > max_req_len))).to(tl.int32), axis=0)
-    return bad == 0
+        bad_requests += (m & ((n < 0) | (n > max_req_len))).to(tl.int32)
+    return bad + tl.sum(bad_requests, axis=0) == 0
 
 
 @triton.jit
