@@ -255,8 +255,9 @@ def append_clear_pairs(page_size: int, num_kv_heads: int, num_requests: int) -> 
     if page_size >= 64:
         return APPEND_BLOCK_R
     pairs = 128
+    page_pairs = page_size * num_kv_heads
     while pairs > APPEND_BLOCK_R and (
-            num_requests * -(-page_size * num_kv_heads // pairs) < APPEND_MIN_REQUEST_PROGRAMS):
+            num_requests * ((page_pairs + pairs - 1) // pairs) < APPEND_MIN_REQUEST_PROGRAMS):
         pairs //= 2
     return pairs
 
