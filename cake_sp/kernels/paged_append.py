@@ -359,13 +359,14 @@ def launch_plan(num_tokens: int, num_req: int, num_slots: int, num_kv_heads: int
     chunk_b = min(_config.APPEND_CHUNK_B, triton.next_power_of_2(num_req))
     chunk_p = min(_config.APPEND_CHUNK_P, triton.next_power_of_2(max_pages))
     tile_programs = triton.cdiv(num_tokens, block_m) * num_slots
+    request_programs = num_req * clear_programs
     return dict(
-        grid=num_req * clear_programs + tile_programs,
+        grid=request_programs + tile_programs,
         num_warps=_config.append_num_warps(num_tokens, num_slots), BLOCK_M=block_m,
         CHUNK_B=chunk_b, NUM_B_CHUNKS=triton.cdiv(num_req, chunk_b), CHUNK_P=chunk_p,
         NUM_P_CHUNKS=triton.cdiv(max_pages, chunk_p), BLOCK_R=block_r,
         CLEAR_PAIRS=clear_pairs, CLEAR_PROGRAMS=clear_programs,
-        TILES_FIRST=_config.append_tiles_first(tile_programs, num_req * clear_programs))
+        TILES_FIRST=_config.append_tiles_first(tile_programs, request_programs))
 
 
 # ----------------------------------------------------------------------------- host
