@@ -32,7 +32,6 @@ import cake_sp
 from cake_sp.kernels import _config
 
 CALLS, REPLAYS = 20, 30
-HARNESS = None  # the BF16 comparison tool's module (its capture and replay timing)
 
 
 def block_m_for(channels: int):
@@ -72,10 +71,10 @@ def time_variant(h, p: dict, op: str, channels: int, warps: int, pairs: int) -> 
         return repr(e)[:80]
 
 
-def graph_of(fn, tiles_first: bool | None = None, pairs: int | None = None):
-    """A CUDA graph of ``CALLS`` calls of ``fn`` launched with the table's shapes but for the
-    given order and clear share, where given (pairs under ``APPEND_BLOCK_R`` shrink that
-    block too)."""
+def graph_of(h, fn, tiles_first: bool | None = None, pairs: int | None = None):
+    """A CUDA graph (the BF16 tool ``h``'s capture) of ``CALLS`` calls of ``fn`` launched with
+    the table's shapes but for the given order and clear share, where given (pairs under
+    ``APPEND_BLOCK_R`` shrink that block too)."""
     saved = (_config.append_tiles_first, _config.append_clear_pairs, _config.APPEND_BLOCK_R)
     if tiles_first is not None:
         _config.append_tiles_first = lambda tile_programs, request_programs: tiles_first
@@ -83,18 +82,18 @@ def graph_of(fn, tiles_first: bool | None = None, pairs: int | None = None):
         _config.append_clear_pairs = lambda page_size, num_kv_heads, num_requests: pairs
         _config.APPEND_BLOCK_R = min(pairs, _config.APPEND_BLOCK_R)
     try:
-        return HARNESS.capture(fn, CALLS)
+        return h.capture(fn, CALLS)
     finally:
         _config.append_tiles_first, _config.append_clear_pairs, _config.APPEND_BLOCK_R = saved
 
 
-def interleaved_us(graphs: dict, rounds: int, reps: int = 5) -> dict[str, float]:
+def interleaved_us(h, graphs: dict, rounds: int, reps: int = 5) -> dict[str, float]:
     """Median us per call of each graph, replayed in turn and back (A/B/B/A) ``rounds`` times."""
     names = list(graphs)
     samples: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(rounds):
         for name in names + names[::-1]:
-            samples[name] += [HARNESS.replay_us(graphs[name], CALLS) for _ in range(reps)]
+            samples[name] += [h.replay_us(graphs[name], CALLS) for _ in range(reps)]
     return {n: round(statistics.median(v), 3) for n, v in samples.items()}
 
 
@@ -109,9 +108,9 @@ def order_part(h, h8, fp8_rows: set[str], pairs: list[int]) -> list[dict]:
     for op, geometry, row, p in cases:
         tool = h if op == "bf16" else h8
         fn = tool.project_arm(cake_sp, p, tool.fresh_outputs(p))
-        graphs = {"table": graph_of(fn)}
-        graphs |= {f"p{n} {o}": graph_of(fn, o == "T", n) for n in pairs for o in "RT"}
-        times = interleaved_us(graphs, rounds=3)
+        graphs = {"table": graph_of(h, fn)}
+        graphs |= {f"p{n} {o}": graph_of(h, fn, o == "T", n) for n in pairs for o in "RT"}
+        times = interleaved_us(h, graphs, rounds=3)
         results.append(dict(op=op, geometry=geometry, row=row.name, times=times))
         best = sorted(times, key=times.get)[:3]
         print(f"{op} {geometry:5s} {row.name:24s} table={times['table']:.2f} "
@@ -121,7 +120,6 @@ def order_part(h, h8, fp8_rows: set[str], pairs: list[int]) -> list[dict]:
 
 
 def main() -> None:
-    global HARNESS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=("tile", "clear", "order"), required=True)
     ap.add_argument("--anchor-dir", default=".anchors/flashinfer_append",
@@ -136,7 +134,6 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(Path(args.anchor_dir).resolve()))
     import bench_append_vs_flashinfer as h
-    HARNESS = h
     if args.part == "order":
         import bench_fp8_append_vs_flashinfer as h8
         results = order_part(h, h8, set(args.fp8_rows.split(",")),
