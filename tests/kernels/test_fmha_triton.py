@@ -67,8 +67,10 @@ def _run_route(case, device, route, monkeypatch, seed):
 
 @pytest.mark.parametrize("case", CASES, ids=FmhaCase.label)
 def test_triton_route_matches_compat(case, device, monkeypatch):
-    # Many splits: every split of a short request is empty, long ones span several.
-    monkeypatch.setattr(tuning, "DECODE_PROGRAMS_PER_SM", 64)
+    # Many splits: every split of a short request is empty, long ones span several; the
+    # combine kernel merges them two at a time, so its loop runs with a masked last chunk.
+    monkeypatch.setattr(tuning, "decode_programs_per_sm", lambda kv_element_size: 64)
+    monkeypatch.setattr(tuning, "decode_combine_split_chunk", lambda head_dim: 2)
     seed = zlib.crc32(case.label().encode())
     ref_kw, _ = _run_route(case, device, "compat_v1", monkeypatch, seed)
     kw, result = _run_route(case, device, "triton", monkeypatch, seed)
@@ -93,6 +95,24 @@ def test_unowned_cache_slots_never_reach_the_output(case, device, monkeypatch):
     assert_matches(case, kw, call(case, kw), ref_out, ref_lse)
 
 
+@pytest.mark.parametrize("case", [
+    FmhaCase(kv_lens=(1, 100, 64), window_left=5, sinks=True, lse=True),
+    FmhaCase(kv_lens=(30, 3), q_lens=(2, 2), page_size=7, kv_layout="NHD", fp8_kv=True,
+             lse=True),
+], ids=FmhaCase.label)
+def test_one_split_finalizes_without_the_workspace(case, device, monkeypatch):
+    """One split a (request, KV head): the first kernel writes ``out`` and the LSE itself,
+    and the workspace, which it then needs none of, keeps every byte."""
+    monkeypatch.setattr(tuning, "DECODE_MAX_SPLITS", 1)
+    monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")
+    kw = make_call(case, device, seed=zlib.crc32(case.label().encode()))
+    kw["workspace_buffer"].random_(0, 256)
+    before = kw["workspace_buffer"].clone()
+    ref_out, ref_lse = oracle_fp64(case, kw)
+    assert_matches(case, kw, call(case, kw), ref_out, ref_lse)
+    assert torch.equal(kw["workspace_buffer"], before)
+
+
 def test_fp16_output_from_bf16_query(device, monkeypatch):
     case = FmhaCase(kv_lens=(5, 17), q_lens=(1, 1))
     monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")
@@ -106,7 +126,8 @@ def test_fp16_output_from_bf16_query(device, monkeypatch):
 
 
 def test_short_workspace_falls_back_to_compat(device, monkeypatch):
-    case = FmhaCase(kv_lens=(3, 20), q_lens=(1, 1), lse=True)
+    # Long enough for several splits on any GPU (one split needs no workspace).
+    case = FmhaCase(kv_lens=(3, 700), q_lens=(1, 1), lse=True)
     kw = make_call(case, device, seed=4)
     kw["workspace_buffer"] = torch.zeros(16, dtype=torch.uint8, device=device)
     monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")

@@ -3,8 +3,9 @@
 One program per (request, KV head, split) packs the ``GROUP x q_len_per_req``
 query rows that share a KV head into one tile, so each K/V page is read once
 per KV head; it folds its split's keys into a partial ``(acc, m, l)`` in the
-workspace.  A second kernel merges the splits of each (token, KV head), adds the
-sink, scales by ``bmm2_scale`` and writes ``out`` (and the LSE).
+workspace.  A second kernel merges the splits of each (token, head), adds the
+sink, scales by ``bmm2_scale`` and writes ``out`` (and the LSE).  A call of one
+split finalises in the first kernel and launches no second one.
 
 Pseudo-code it equals (per token ``t`` of request ``b``, head ``h``)::
 
@@ -38,18 +39,21 @@ from cake_sp.kernels.fmha.tiles import (
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, k_table_ptr, v_table_ptr, seq_lens_ptr, acc_ptr, ml_ptr,
-    scale_log2, window_left, num_kv_heads, chunk_len,
+    sinks_ptr, out_ptr, lse_ptr,
+    scale_log2, bmm2_scale, window_left, num_kv_heads, chunk_len,
     stride_qt, stride_qh,
     stride_kp, stride_kh, stride_ks,
     stride_vp, stride_vh, stride_vs,
-    stride_ktb, stride_vtb,
+    stride_ktb, stride_vtb, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    FINALIZE: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
+    OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Partial attention of one split: rows ``(q token i, head g)`` of one (request, KV head).
+    """Attention of one split: rows ``(q token i, head g)`` of one (request, KV head).
 
-    Writes ``acc [T, Hq, S, D]`` and ``ml [T, Hq, S, 2]`` (log2-unit max, sum) fp32.
+    Writes the partial ``acc [T, Hq, S, D]`` and ``ml [T, Hq, S, 2]`` (log2-unit
+    max, sum) fp32, or with ``FINALIZE`` (one split) ``out`` and the LSE themselves.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -89,52 +93,78 @@ def _decode_partial_kernel(
         scale_log2, window_left, PAGE_SIZE, HEAD_DIM, BLOCK_N, True, True, WINDOW, False, False,
         INTERPRET)
 
-    slot = ((tok * (num_kv_heads * GROUP) + head) * num_splits + split).to(tl.int64)
-    tl.store(acc_ptr + slot[:, None] * HEAD_DIM + cols[None, :], acc, mask=row_ok[:, None])
-    tl.store(ml_ptr + slot * 2, m_i, mask=row_ok)
-    tl.store(ml_ptr + slot * 2 + 1, l_i, mask=row_ok)
+    row = tok * (num_kv_heads * GROUP) + head
+    if FINALIZE:
+        _finalize_and_store(acc, m_i, l_i, row_ok, tok, head, row, sinks_ptr, out_ptr, lse_ptr,
+                            bmm2_scale, stride_ot, stride_oh, HEAD_DIM, HAS_SINKS, HAS_LSE,
+                            OUT_BF16, INTERPRET)
+    else:
+        slot = (row * num_splits + split).to(tl.int64)
+        tl.store(acc_ptr + slot[:, None] * HEAD_DIM + cols[None, :], acc, mask=row_ok[:, None])
+        tl.store(ml_ptr + slot * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + slot * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _finalize_and_store(acc, m_i, l_i, row_ok, tok, head, row, sinks_ptr, out_ptr, lse_ptr,
+                        bmm2_scale, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                        HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, OUT_BF16: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+    """Add the sink, normalise and scale rows ``acc [R, D]`` (token ``tok``, head ``head``,
+    LSE index ``row``: int ``[R]``); store ``out`` and (``HAS_LSE``) the LSE."""
+    sink_log2 = 0.0
+    if HAS_SINKS:
+        sink_log2 = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+    out, lse = finalize_rows(acc, m_i, l_i, sink_log2, bmm2_scale, HAS_SINKS)
+    cols = tl.arange(0, HEAD_DIM)
+    ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
+    store_out(ptrs, out, row_ok[:, None], OUT_BF16, INTERPRET)
+    if HAS_LSE:
+        tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
 @triton.jit
 def _decode_combine_kernel(
     acc_ptr, ml_ptr, sinks_ptr, out_ptr, lse_ptr,
-    bmm2_scale, num_kv_heads, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, OUT_BF16: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    bmm2_scale, num_heads, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
+    OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Merge the splits of the ``GROUP`` heads of one (token, KV head); add sink, scale, store."""
-    pid = tl.program_id(0)
-    tok = pid // num_kv_heads
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP
-    head = (pid % num_kv_heads) * GROUP + g
-    row = (tok * (num_kv_heads * GROUP) + head).to(tl.int64)
+    """Merge the ``NUM_SPLITS`` partials of one (token, head) row; add sink, scale, store.
+
+    The row's maximum over all splits comes first, from one load of its ``m`` values,
+    so the partial accumulators then load ``SPLIT_CHUNK`` splits at a time with no
+    load waiting on the one before (a split-by-split online merge is a chain of
+    dependent loads as long as the split count).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    tok = row // num_heads
+    head = row % num_heads
+    one = tl.arange(0, 1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < NUM_SPLITS
+    base = row * NUM_SPLITS
+    m_s = tl.load(ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
+    m = tl.max(m_s, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l_i = tl.sum(l_s * tl.math.exp2(m_s - m_safe), axis=0)
     cols = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for s in range(NUM_SPLITS):
-        slot = row * NUM_SPLITS + s
-        m_s = tl.load(ml_ptr + slot * 2, mask=g_ok, other=float("-inf"))
-        l_s = tl.load(ml_ptr + slot * 2 + 1, mask=g_ok, other=0.0)
-        acc_s = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + cols[None, :], mask=g_ok[:, None],
-                        other=0.0)
-        m_new = tl.maximum(m_i, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.math.exp2(m_i - m_safe)
-        w = tl.math.exp2(m_s - m_safe)
-        acc = acc * a[:, None] + acc_s * w[:, None]
-        l_i = l_i * a + l_s * w
-        m_i = m_new
-    sink_log2 = 0.0
-    if HAS_SINKS:
-        sink_log2 = tl.load(sinks_ptr + head, mask=g_ok, other=0.0).to(tl.float32) * LOG2E
-    out, lse = finalize_rows(acc, m_i, l_i, sink_log2, bmm2_scale, HAS_SINKS)
-    ptrs = out_ptr + tok.to(tl.int64) * stride_ot + head[:, None] * stride_oh + cols[None, :]
-    store_out(ptrs, out, g_ok[:, None], OUT_BF16, INTERPRET)
-    if HAS_LSE:
-        tl.store(lse_ptr + row, lse, mask=g_ok)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for c in range(tl.cdiv(NUM_SPLITS, SPLIT_CHUNK)):
+        sc = c * SPLIT_CHUNK + tl.arange(0, SPLIT_CHUNK)
+        ok = sc < NUM_SPLITS
+        w = tl.math.exp2(tl.load(ml_ptr + (base + sc) * 2, mask=ok, other=float("-inf")) - m_safe)
+        part = tl.load(acc_ptr + (base + sc)[:, None] * HEAD_DIM + cols[None, :], mask=ok[:, None],
+                       other=0.0)
+        acc += tl.sum(part * w[:, None], axis=0)
+    # As a one-row tile, so that the decode kernel's finalisation serves both.
+    zero = tl.zeros([1], tl.float32)
+    _finalize_and_store(acc[None, :], zero + m, zero + l_i, one == 0, tok + one, head + one,
+                        row + one, sinks_ptr, out_ptr, lse_ptr,
+                        bmm2_scale, stride_ot, stride_oh, HEAD_DIM, HAS_SINKS, HAS_LSE, OUT_BF16,
+                        INTERPRET)
 
 
 def block_rows(group: int, q_len_per_req: int) -> int:
@@ -144,28 +174,23 @@ def block_rows(group: int, q_len_per_req: int) -> int:
 
 def split_plan(p: PagedAttention) -> tuple[int, int, int]:
     """``(num_splits, chunk_len, block_n)`` of decode call ``p``: keys per split a multiple
-    of the key tile ``block_n``.
+    of the key tile ``block_n`` (``tuning.decode_num_splits``).
 
     Host values only, so the plan of a captured call never changes on replay.
     """
     block_n = tuning.decode_block_n(p.k_cache.element_size(), p.query.shape[2])
     tiles = max(1, math.ceil(p.max_kv_len / block_n))
-    programs = p.batch * p.num_kv_heads
-    want = math.ceil(tuning.DECODE_PROGRAMS_PER_SM * tuning.sm_count(p.query.device)
-                     / max(programs, 1))
-    max_keys = tuning.decode_max_split_keys(p.k_cache.element_size())
-    if max_keys is not None:
-        want = max(want, math.ceil(p.max_kv_len / max_keys))
-    splits = max(1, min(want, tiles, tuning.DECODE_MAX_SPLITS))
+    splits = tuning.decode_num_splits(p.batch * p.num_kv_heads, tiles, p.max_kv_len,
+                                      p.k_cache.element_size(), tuning.sm_count(p.query.device))
     chunk = math.ceil(tiles / splits) * block_n
     return max(1, math.ceil(p.max_kv_len / chunk)), chunk, block_n
 
 
 def decode_workspace_bytes(p: PagedAttention) -> int:
-    """Bytes of ``workspace_buffer`` the split-KV partials of ``p`` need."""
+    """Bytes of ``workspace_buffer`` the split-KV partials of ``p`` need (none for one split)."""
     num_tokens, num_heads, head_dim = p.query.shape
     splits, _, _ = split_plan(p)
-    return num_tokens * num_heads * splits * (head_dim + 2) * 4
+    return 0 if splits == 1 else num_tokens * num_heads * splits * (head_dim + 2) * 4
 
 
 def decode_triton(p: PagedAttention) -> None:
@@ -175,26 +200,35 @@ def decode_triton(p: PagedAttention) -> None:
     hkv, group, q_len = p.num_kv_heads, p.group, p.q_len_per_req
     splits, chunk, block_n = split_plan(p)
     n_acc = num_tokens * num_heads * splits * head_dim
-    scratch = p.workspace[: (n_acc + num_tokens * num_heads * splits * 2) * 4]
-    scratch = scratch.view(torch.float32)
+    scratch = p.workspace[: decode_workspace_bytes(p)].view(torch.float32)
     acc, ml = scratch[:n_acc], scratch[n_acc:]
+    # Unused pointers (no partials, no sinks, no LSE) point at a tensor that is there.
+    spare = p.out
+    sinks = p.sinks if p.sinks is not None else spare
+    lse = p.lse if p.lse is not None else spare
+    finalize = splits == 1
+    flags = dict(HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None,
+                 OUT_BF16=p.out.dtype == torch.bfloat16, INTERPRET=INTERPRET)
     _decode_partial_kernel[(p.batch * hkv, splits)](
-        p.query, p.k_cache, p.v_cache, p.k_tables, p.v_tables, p.seq_lens, acc, ml,
-        p.bmm1_scale * math.log2(math.e), p.window_left, hkv, chunk,
+        p.query, p.k_cache, p.v_cache, p.k_tables, p.v_tables, p.seq_lens,
+        spare if finalize else acc, spare if finalize else ml, sinks, p.out, lse,
+        p.bmm1_scale * math.log2(math.e), p.bmm2_scale, p.window_left, hkv, chunk,
         p.query.stride(0), p.query.stride(1),
         p.k_cache.stride(0), p.k_cache.stride(1), p.k_cache.stride(2),
         p.v_cache.stride(0), p.v_cache.stride(1), p.v_cache.stride(2),
-        p.k_tables.stride(0), p.v_tables.stride(0),
+        p.k_tables.stride(0), p.v_tables.stride(0), p.out.stride(0), p.out.stride(1),
         Q_LEN=q_len, GROUP=group, PAGE_SIZE=p.page_size, HEAD_DIM=head_dim,
         BLOCK_M=block_rows(group, q_len), BLOCK_N=block_n,
-        WINDOW=p.window_left >= 0, INTERPRET=INTERPRET,
+        WINDOW=p.window_left >= 0, FINALIZE=finalize, **flags,
         num_warps=tuning.DECODE_NUM_WARPS, num_stages=tuning.DECODE_NUM_STAGES,
+        maxnreg=tuning.decode_max_registers(p.k_cache.element_size(), head_dim),
     )
-    _decode_combine_kernel[(num_tokens * hkv,)](
-        acc, ml, p.sinks if p.sinks is not None else ml,
-        p.out, p.lse if p.lse is not None else ml,
-        p.bmm2_scale, hkv, p.out.stride(0), p.out.stride(1),
-        NUM_SPLITS=splits, GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None,
-        OUT_BF16=p.out.dtype == torch.bfloat16, INTERPRET=INTERPRET,
+    if finalize:
+        return
+    block_s = triton.next_power_of_2(splits)
+    _decode_combine_kernel[(num_tokens * num_heads,)](
+        acc, ml, sinks, p.out, lse, p.bmm2_scale, num_heads, p.out.stride(0), p.out.stride(1),
+        NUM_SPLITS=splits, BLOCK_S=block_s,
+        SPLIT_CHUNK=min(block_s, tuning.decode_combine_split_chunk(head_dim)),
+        HEAD_DIM=head_dim, **flags,
     )

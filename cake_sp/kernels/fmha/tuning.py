@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from cake_sp.kernels._config import INTERPRET, tma_supported
+from cake_sp.kernels._config import INTERPRET, tma_supported, wave_fill
 
 # Decode packs the GQA group x q_len_per_req query rows of one KV head into one
 # tile; tl.dot needs at least 16 rows, and past 64 rows a tile no longer fits
@@ -22,23 +22,100 @@ DECODE_MAX_ROWS = 64
 # 8 warps ran 35-40 % slower with FP8 KV and up to 33 % with bf16 (sweep 3).
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
-# Split-KV: aim for this many programs per SM so that small batches still fill
-# the GPU, but never split finer than one key tile per split.  On an H200, 4, 8
-# and 16 were at best 1 % faster than 2 for bf16 KV and up to 70 % slower (B = 1).
-DECODE_PROGRAMS_PER_SM = 2
+# Split-KV (decode_num_splits).
 DECODE_MAX_SPLITS = 64
+# A split count is good enough when its last wave is at least this fraction as full as the
+# best count's: the fewest splits within 5 % of the best fill.  (FlashAttention-2 takes 85 %,
+# which here chose 7 splits of 32 programs over 8 and took 1.12-1.14x the time.)
+DECODE_WAVE_FILL_MARGIN = 0.95
+# A grid this full of (request, KV head) programs already runs unsplit.
+DECODE_FULL_GRID = 0.8
+# Short splits fill waves of this many programs an SM (latency: many short loops in flight).
+DECODE_SHORT_SPLIT_PROGRAMS_PER_SM = 2
+
+
+def decode_programs_per_sm(kv_element_size: int) -> int:
+    """Partial-kernel programs one SM holds at once at D = 128 (4 warps; ptxas for sm_90a):
+    bf16 KV 112-124 registers a thread, 4 programs; FP8 KV 168 (``decode_max_registers``), 3."""
+    return 3 if kv_element_size == 1 else 4
+
+
+def decode_long_split_tiles(kv_element_size: int) -> int:
+    """Fewest key tiles of a split that fills every program slot of an SM: bf16 4 tiles (256
+    keys), FP8 16 (2,048 keys).  The FP8 kernel converts each key to bf16 and runs at half
+    the bf16 one's bandwidth; shorter FP8 splits filling 3 programs an SM took 1.04-1.10x
+    the time of 256 programs of 2 an SM at B = 1-4 on an H200 (docs/results.md)."""
+    return 16 if kv_element_size == 1 else 4
+
+
+def decode_max_registers(kv_element_size: int, head_dim: int) -> int | None:
+    """``maxnreg`` of the partial kernel, or None for ptxas's own count.
+
+    FP8 KV at D = 128: 168, the most with which 3 programs of 4 warps share an SM's 65,536
+    registers.  Every variant takes 168 by itself but the one that finalises a group of 8
+    heads (176, so 2 programs an SM); bounded (at 160 in that sweep), that variant took
+    0.89x its time at B = 256, 1k keys, GQA 64/8 on an H200 (docs/results.md)."""
+    return 168 if kv_element_size == 1 and head_dim == 128 else None
 
 
 def decode_max_split_keys(kv_element_size: int) -> int | None:
-    """Most keys one split may fold, or None for no bound beyond the programs-per-SM rule.
+    """Most keys one split may fold, or None for no bound beyond the wave rule.
 
-    FP8 KV: 4096.  At B = 64 with 8 KV heads the rule above leaves one split of
+    FP8 KV: 4096.  At B = 64 with 8 KV heads the wave rule leaves one split of
     8k-32k keys per program; two to eight splits there took 8-11 % less time on
     an H200, 2048 keys lost 5 % at B = 16, and bf16 KV gained nothing
     (docs/results/producer_and_fmha_sweeps_h200.md, sweep 4).
     """
     return 4096 if kv_element_size == 1 else None
 
+
+def _fewest_filling_splits(programs: int, key_tiles: int, slots: int, min_tiles: int) -> int:
+    """The fewest splits, of at least ``min_tiles`` key tiles each, whose grid of
+    ``programs * splits`` fills waves of ``slots`` programs within ``DECODE_WAVE_FILL_MARGIN``
+    of the fullest candidate; one split when the programs alone nearly fill a wave.
+
+    Every split but the last folds ``ceil(key_tiles / splits)`` tiles, so only the counts
+    that rounding leaves distinct are candidates, and the count returned is the one
+    launched."""
+    def rounded(splits: int) -> int:
+        return -(-key_tiles // -(-key_tiles // splits))
+
+    most = rounded(max(1, min(key_tiles // min_tiles, DECODE_MAX_SPLITS)))
+    if programs >= DECODE_FULL_GRID * slots:
+        return 1
+    fills = {rounded(s): wave_fill(programs * rounded(s), 1, 1, slots) for s in range(1, most + 1)}
+    best = max(fills.values())
+    return min(s for s, fill in fills.items() if fill >= DECODE_WAVE_FILL_MARGIN * best)
+
+
+def decode_num_splits(programs: int, key_tiles: int, max_kv_len: int, kv_element_size: int,
+                      num_sms: int) -> int:
+    """Splits of each (request, KV head) program's keys in a decode call.
+
+    ``programs`` = B x Hkv, ``key_tiles`` the key tiles of the longest request.  The
+    larger of two wave fills (``_fewest_filling_splits``): splits of any length filling
+    ``DECODE_SHORT_SPLIT_PROGRAMS_PER_SM`` programs an SM, and splits of at least
+    ``decode_long_split_tiles`` tiles filling all ``decode_programs_per_sm`` of them: few
+    keys want many short loops in flight, many keys every slot busy (B in {1, 4, 16} x
+    {1k, 8k, 32k} keys on an H200, docs/results.md).  At least what
+    ``decode_max_split_keys`` asks for, at most ``DECODE_MAX_SPLITS``.
+    """
+    short = _fewest_filling_splits(programs, key_tiles,
+                                   DECODE_SHORT_SPLIT_PROGRAMS_PER_SM * num_sms, 1)
+    long = _fewest_filling_splits(programs, key_tiles,
+                                  decode_programs_per_sm(kv_element_size) * num_sms,
+                                  decode_long_split_tiles(kv_element_size))
+    splits = max(short, long)
+    max_keys = decode_max_split_keys(kv_element_size)
+    if max_keys is not None:
+        bound = min(key_tiles, DECODE_MAX_SPLITS, -(-max_kv_len // max_keys))
+        splits = max(splits, -(-key_tiles // -(-key_tiles // bound)))
+    return splits
+
+
+def decode_combine_split_chunk(head_dim: int) -> int:
+    """Partials the combine kernel loads at once: 4096 fp32 values, 32 a thread of 4 warps."""
+    return max(1, 4096 // head_dim)
 
 
 def decode_block_n(kv_element_size: int, head_dim: int) -> int:

@@ -1,0 +1,59 @@
+"""The decode split count: a pure function of the shape and the SM count (host only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cake_sp.kernels.fmha import tuning
+
+SMS = 132  # an H200: short splits fill 2 x 132 = 264 slots, long bf16 ones 4 x 132 = 528
+
+
+@pytest.mark.parametrize("programs,tiles,want", [
+    (8, 16, 16),      # B = 1, 8 KV heads, 1k keys: one tile a split, never more splits than tiles
+    (8, 128, 32),     # 8k keys: 256 short splits of 4 tiles fill the 264 slots of 2 an SM
+    (8, 512, 64),     # 32k keys: 512 splits of 8 tiles fill the 528 slots of 4 an SM
+    (32, 16, 8),      # B = 4, 1k keys: 256 splits of 2 tiles, 2 an SM
+    (32, 128, 16),    # B = 4, 8k keys: 512 splits of 8 tiles, 4 an SM
+    (128, 128, 4),    # B = 16: 512 programs of 32 tiles, not 256 in a half-full wave
+    (422, 512, 5),    # under 80 % of the long splits' wave
+    (423, 512, 1),    # from 80 % of it (and of the short one's): unsplit
+    (1, 4096, 61),    # capped at DECODE_MAX_SPLITS = 64: the fewest within 5 % of 64
+])
+def test_larger_of_the_short_and_long_wave_fills(programs, tiles, want):
+    assert tuning.decode_num_splits(programs, tiles, tiles * 64, 2, SMS) == want
+
+
+@pytest.mark.parametrize("programs,tiles,want", [
+    (8, 256, 32),     # B = 1, 32k keys: FP8 splits shorter than 16 tiles stay at 2 an SM
+    (32, 64, 8),      # B = 4, 8k keys: 8 splits, not the 7 an 85 % margin would take
+    (128, 64, 3),     # B = 16, 8k keys: 384 splits of 22 tiles, 3 an SM
+])
+def test_fp8_long_splits_are_16_tiles(programs, tiles, want):
+    assert tuning.decode_num_splits(programs, tiles, tiles * 128, 1, SMS) == want
+
+
+@pytest.mark.parametrize("programs,tiles", [(8, 100), (8, 37), (128, 7), (3, 1000), (40, 65)])
+def test_split_count_is_one_that_rounding_leaves(programs, tiles):
+    """Every split but the last folds ceil(tiles / splits) tiles, so the count returned is
+    the count the kernel launches: no split is left empty by rounding."""
+    for kv_element_size in (1, 2):
+        splits = tuning.decode_num_splits(programs, tiles, tiles * 64, kv_element_size, SMS)
+        per = -(-tiles // splits)
+        assert -(-tiles // per) == splits
+
+
+def test_fp8_splits_are_at_most_4096_keys():
+    # B = 64, 8 KV heads, 32k FP8 keys in 128-key tiles: the grid is full, yet 8 splits.
+    assert tuning.decode_num_splits(512, 256, 32768, 1, SMS) == 8
+    assert tuning.decode_num_splits(512, 256, 32768, 2, SMS) == 1
+    # The bound never asks for more splits than tiles.
+    assert tuning.decode_num_splits(512, 3, 40000, 1, SMS) == 3
+
+
+def test_fp8_register_bound_keeps_three_programs_an_sm():
+    regs = tuning.decode_max_registers(1, 128)
+    per_sm = tuning.decode_programs_per_sm(1)
+    assert regs % 8 == 0 and per_sm * regs * 128 <= 65536 < per_sm * (regs + 8) * 128
+    assert tuning.decode_max_registers(2, 128) is None
+    assert tuning.decode_max_registers(1, 256) is None
