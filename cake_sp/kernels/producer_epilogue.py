@@ -19,7 +19,12 @@ import triton
 import triton.language as tl
 
 from cake_sp.kernels.norm_rope import load_cos_sin, rms_normalize, rope_rotate, round_to_bf16
-from cake_sp.kernels.signals import _ENTER_TIMEOUT, publish, record_timeout, spin_until_at_least
+from cake_sp.kernels.signals import (
+    _ENTER_TIMEOUT,
+    publish_run,
+    record_timeout,
+    spin_until_at_least,
+)
 
 
 @triton.jit
@@ -203,7 +208,5 @@ def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed,
                 tl.store(ptrs, out, mask=row_ok[:, None])
                 if SIGNAL:
                     words = tl.load(word_table_ptr + rank).to(tl.pointer_type(tl.int64))
-                    for w in tl.static_range(WORDS):
-                        if w < words_raised:
-                            publish(words + first_word + w * HEADS_PER_RANK, epoch)
+                    publish_run(words + first_word, HEADS_PER_RANK, words_raised, epoch, WORDS)
     return entered, failed

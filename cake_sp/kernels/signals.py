@@ -163,10 +163,20 @@ def spin_until_at_least(ptr, target, timeout_ns, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def publish_run(ptr, stride, count, value, MAX_COUNT: tl.constexpr):
+    """Release stores of ``value`` at ``ptr + i * stride`` for ``i < count`` (at most
+    ``MAX_COUNT``), sys scope, after one CTA barrier: the CTA's earlier stores are ordered
+    before every one of them (a barrier per word would order nothing more)."""
+    tl.debug_barrier()
+    for i in tl.static_range(MAX_COUNT):
+        if i < count:
+            tl.atomic_xchg(ptr + i * stride, value, sem="release", scope="sys")
+
+
+@triton.jit
 def publish(ptr, value):
     """Order the CTA's earlier stores before a release store of ``value`` at ``ptr``, sys scope."""
-    tl.debug_barrier()
-    tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+    publish_run(ptr, 0, 1, value, 1)
 
 
 @triton.jit
