@@ -43,8 +43,8 @@ def decode_programs_per_sm(kv_element_size: int) -> int:
 def decode_long_split_tiles(kv_element_size: int) -> int:
     """Fewest key tiles of a split that fills every program slot of an SM: bf16 4 tiles (256
     keys), FP8 16 (2,048 keys).  The FP8 kernel converts each key to bf16 and runs at half
-    the bf16 one's bandwidth; shorter FP8 splits filling 3 programs an SM took 1.04-1.10x
-    the time of 256 programs of 2 an SM at B = 1-4 on an H200 (docs/results.md)."""
+    the bf16 one's bandwidth; FP8 splits of 4 tiles filling 3 programs an SM took 1.08-1.16x
+    the time of these at B = 1 and 4 with 8k-32k keys on an H200 (docs/results.md)."""
     return 16 if kv_element_size == 1 else 4
 
 
@@ -69,23 +69,27 @@ def decode_max_split_keys(kv_element_size: int) -> int | None:
     return 4096 if kv_element_size == 1 else None
 
 
-def _fewest_filling_splits(programs: int, key_tiles: int, slots: int, min_tiles: int) -> int:
-    """The fewest splits, of at least ``min_tiles`` key tiles each, whose grid of
-    ``programs * splits`` fills waves of ``slots`` programs within ``DECODE_WAVE_FILL_MARGIN``
-    of the fullest candidate; one split when the programs alone nearly fill a wave.
+@functools.lru_cache(maxsize=4096)
+def _fewest_filling_splits(programs: int, key_tiles: int, slots: int, min_tiles: int,
+                           max_splits: int, full_grid: float, margin: float) -> int:
+    """The fewest splits, of at least ``min_tiles`` key tiles each and at most
+    ``max_splits``, whose grid of ``programs * splits`` fills waves of ``slots`` programs
+    within ``margin`` of the fullest candidate; one split when the programs alone fill
+    ``full_grid`` of a wave.
 
     Every split but the last folds ``ceil(key_tiles / splits)`` tiles, so only the counts
     that rounding leaves distinct are candidates, and the count returned is the one
-    launched."""
+    launched.  Cached: a decode call's host work stays about a microsecond (the scan
+    over up to 64 counts takes about 60)."""
     def rounded(splits: int) -> int:
         return -(-key_tiles // -(-key_tiles // splits))
 
-    most = rounded(max(1, min(key_tiles // min_tiles, DECODE_MAX_SPLITS)))
-    if programs >= DECODE_FULL_GRID * slots:
+    if programs >= full_grid * slots:
         return 1
-    fills = {rounded(s): wave_fill(programs * rounded(s), 1, 1, slots) for s in range(1, most + 1)}
+    counts = {rounded(s) for s in range(1, max(1, min(key_tiles // min_tiles, max_splits)) + 1)}
+    fills = {n: wave_fill(programs * n, 1, 1, slots) for n in counts}
     best = max(fills.values())
-    return min(s for s, fill in fills.items() if fill >= DECODE_WAVE_FILL_MARGIN * best)
+    return min(n for n, fill in fills.items() if fill >= margin * best)
 
 
 def decode_num_splits(programs: int, key_tiles: int, max_kv_len: int, kv_element_size: int,
@@ -100,11 +104,12 @@ def decode_num_splits(programs: int, key_tiles: int, max_kv_len: int, kv_element
     {1k, 8k, 32k} keys on an H200, docs/results.md).  At least what
     ``decode_max_split_keys`` asks for, at most ``DECODE_MAX_SPLITS``.
     """
+    knobs = (DECODE_MAX_SPLITS, DECODE_FULL_GRID, DECODE_WAVE_FILL_MARGIN)
     short = _fewest_filling_splits(programs, key_tiles,
-                                   DECODE_SHORT_SPLIT_PROGRAMS_PER_SM * num_sms, 1)
+                                   DECODE_SHORT_SPLIT_PROGRAMS_PER_SM * num_sms, 1, *knobs)
     long = _fewest_filling_splits(programs, key_tiles,
                                   decode_programs_per_sm(kv_element_size) * num_sms,
-                                  decode_long_split_tiles(kv_element_size))
+                                  decode_long_split_tiles(kv_element_size), *knobs)
     splits = max(short, long)
     max_keys = decode_max_split_keys(kv_element_size)
     if max_keys is not None:
