@@ -186,11 +186,15 @@ def split_plan(p: PagedAttention) -> tuple[int, int, int]:
     return max(1, math.ceil(p.max_kv_len / chunk)), chunk, block_n
 
 
+def _partials_bytes(p: PagedAttention, splits: int) -> int:
+    """fp32 ``acc [T, Hq, S, D]`` then ``ml [T, Hq, S, 2]``; none for one split."""
+    num_tokens, num_heads, head_dim = p.query.shape
+    return 0 if splits == 1 else num_tokens * num_heads * splits * (head_dim + 2) * 4
+
+
 def decode_workspace_bytes(p: PagedAttention) -> int:
     """Bytes of ``workspace_buffer`` the split-KV partials of ``p`` need (none for one split)."""
-    num_tokens, num_heads, head_dim = p.query.shape
-    splits, _, _ = split_plan(p)
-    return 0 if splits == 1 else num_tokens * num_heads * splits * (head_dim + 2) * 4
+    return _partials_bytes(p, split_plan(p)[0])
 
 
 def decode_triton(p: PagedAttention) -> None:
@@ -200,7 +204,7 @@ def decode_triton(p: PagedAttention) -> None:
     hkv, group, q_len = p.num_kv_heads, p.group, p.q_len_per_req
     splits, chunk, block_n = split_plan(p)
     n_acc = num_tokens * num_heads * splits * head_dim
-    scratch = p.workspace[: decode_workspace_bytes(p)].view(torch.float32)
+    scratch = p.workspace[: _partials_bytes(p, splits)].view(torch.float32)
     acc, ml = scratch[:n_acc], scratch[n_acc:]
     # Unused pointers (no partials, no sinks, no LSE) point at a tensor that is there.
     spare = p.out
