@@ -99,8 +99,9 @@ def make_call(case: FmhaCase, device: torch.device, seed: int = 0) -> dict:
     k_scale, v_scale = (0.5, 0.75) if case.fp8_kv else (1.0, 1.0)
     kwargs = dict(
         query=query, kv_cache=kv_cache,
-        # 32 MiB holds the split-KV partials of every case here (callers pass 128 MiB).
-        workspace_buffer=torch.zeros(1 << 25, dtype=torch.uint8, device=device),
+        # 32 MiB holds the split-KV partials of every case here (callers pass 128 MiB);
+        # left uninitialised, as a caller's may be: no kernel may read what it did not write.
+        workspace_buffer=torch.empty(1 << 25, dtype=torch.uint8, device=device),
         block_tables=block_tables.to(device),
         seq_lens=torch.tensor(case.kv_lens, dtype=torch.int32, device=device),
         bmm1_scale=k_scale / math.sqrt(d), bmm2_scale=v_scale, window_left=case.window_left,
