@@ -11,10 +11,10 @@ SMS = 132  # an H200: short splits fill 2 x 132 = 264 slots, long bf16 ones 4 x 
 
 @pytest.mark.parametrize("programs,tiles,want", [
     (8, 16, 16),      # B = 1, 8 KV heads, 1k keys: one tile a split, never more splits than tiles
-    (8, 128, 32),     # 8k keys: 256 short splits of 4 tiles fill the 264 slots of 2 an SM
-    (8, 512, 64),     # 32k keys: 512 splits of 8 tiles fill the 528 slots of 4 an SM
-    (32, 16, 8),      # B = 4, 1k keys: 256 splits of 2 tiles, 2 an SM
-    (32, 128, 16),    # B = 4, 8k keys: 512 splits of 8 tiles, 4 an SM
+    (8, 128, 32),     # 8k keys: 256 programs of 4 tiles fill the 264 slots of 2 an SM
+    (8, 512, 64),     # 32k keys: 512 programs of 8 tiles fill the 528 slots of 4 an SM
+    (32, 16, 8),      # B = 4, 1k keys: 256 programs of 2 tiles, 2 an SM
+    (32, 128, 16),    # B = 4, 8k keys: 512 programs of 8 tiles, 4 an SM
     (128, 128, 4),    # B = 16: 512 programs of 32 tiles, not 256 in a half-full wave
     (422, 512, 5),    # under 80 % of the long splits' wave
     (423, 512, 1),    # from 80 % of it (and of the short one's): unsplit
@@ -27,7 +27,7 @@ def test_larger_of_the_short_and_long_wave_fills(programs, tiles, want):
 @pytest.mark.parametrize("programs,tiles,want", [
     (8, 256, 32),     # B = 1, 32k keys: FP8 splits shorter than 16 tiles stay at 2 an SM
     (32, 64, 8),      # B = 4, 8k keys: 8 splits, not the 7 an 85 % margin would take
-    (128, 64, 3),     # B = 16, 8k keys: 384 splits of 22 tiles, 3 an SM
+    (128, 64, 3),     # B = 16, 8k keys: 384 programs of 22 tiles, 3 an SM
 ])
 def test_fp8_long_splits_are_16_tiles(programs, tiles, want):
     assert tuning.decode_num_splits(programs, tiles, tiles * 128, 1, SMS) == want
