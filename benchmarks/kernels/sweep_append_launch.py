@@ -13,8 +13,14 @@ graph of 20 calls (median of 30 replays)::
 pairs of a last page one request program clears (16-256), BF16, pages of 16 and 64.
 ``order``: every BF16 row (with norm) and the FP8 rows ``--fp8-rows`` names, each on
 its own tool's inputs: the table's launch and, request programs first or tile programs
-first, clear shares of ``--pairs`` (8-128 pairs), timed A/B/B/A.  A variant patches ``_config``
-for its calls; the table itself is edited by hand from the results (docs/results.md).
+first, clear shares of ``--pairs`` (8-128 pairs), timed A/B/B/A.  ``token``: the rows of
+both tools with no more tokens than requests (decode: BF16 both norm policies, FP8 both
+Q scales), the table's launch, tiles of tokens and token programs of 8, 16 or 32 head
+slots x 2 or 4 warps, timed A/B/B/A.  A variant patches
+``_config`` for its calls; the table itself is edited by hand from the results
+(docs/results.md).
+
+    python benchmarks/kernels/sweep_append_launch.py --part token --json token.json
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 import cake_sp
 from cake_sp.kernels import _config
@@ -119,9 +126,59 @@ def order_part(h, h8, fp8_rows: set[str], pairs: list[int]) -> list[dict]:
     return results
 
 
+def token_variants() -> dict[str, tuple[bool, int, int]]:
+    """The ``token`` part's variants: name -> (token programs, slots, warps); "tile" is the
+    table's tiles of tokens, "table" the table's own choice."""
+    variants = {"tile": (False, 0, 0)}
+    variants |= {f"s{s} w{w}": (True, s, w) for s, w in ((8, 2), (8, 4), (16, 2), (16, 4),
+                                                         (32, 4))}
+    return variants
+
+
+def token_graph(h, fn, variant: tuple[bool, int, int] | None):
+    """A CUDA graph of ``CALLS`` calls of ``fn`` with the program shape of ``variant``
+    (None: the table's)."""
+    saved = (_config.append_token_programs, _config.append_slots_per_token,
+             _config.append_token_num_warps)
+    if variant is not None:
+        token, slots, warps = variant
+        _config.append_token_programs = lambda num_tokens, num_requests: token
+        _config.append_slots_per_token = lambda num_slots, head_dim: min(
+            slots, triton.next_power_of_2(num_slots))
+        _config.append_token_num_warps = lambda block_s, head_dim: warps
+    try:
+        return h.capture(fn, CALLS)
+    finally:
+        (_config.append_token_programs, _config.append_slots_per_token,
+         _config.append_token_num_warps) = saved
+
+
+def token_part(h, h8) -> list[dict]:
+    """The ``token`` sweep over the decode rows of both tools."""
+    start, results, gpu = time.time(), [], torch.device("cuda")
+    cases = [("bf16", geometry, f"{row.name} n{policy}", h,
+              h.problem_for(row, policy, geometry, gpu, 1))
+             for geometry in ("brief", "pr") for row in h.ROWS for policy in (2, 0)]
+    cases += [("fp8", geometry, row.name, h8, h8.problem_for(row, geometry, gpu, 1))
+              for geometry in ("brief", "pr") for row in h8.ROWS]
+    for op, geometry, name, tool, p in cases:
+        if p["t"] > p["row"].batch:
+            continue
+        fn = tool.project_arm(cake_sp, p, tool.fresh_outputs(p))
+        graphs = {"table": token_graph(h, fn, None)}
+        graphs |= {n: token_graph(h, fn, v) for n, v in token_variants().items()}
+        times = interleaved_us(h, graphs, rounds=3)
+        results.append(dict(op=op, geometry=geometry, row=name, times=times))
+        best = sorted(times, key=times.get)[:3]
+        print(f"{op} {geometry:5s} {name:26s} table={times['table']:.2f} "
+              f"tile={times['tile']:.2f} " + " ".join(f"{b}={times[b]:.2f}" for b in best)
+              + f"  [{time.time() - start:.0f} s]", flush=True)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("tile", "clear", "order"), required=True)
+    ap.add_argument("--part", choices=("tile", "clear", "order", "token"), required=True)
     ap.add_argument("--anchor-dir", default=".anchors/flashinfer_append",
                     help="a copy of the FlashInfer comparison tool (its rows and inputs)")
     ap.add_argument("--json", type=Path, required=True)
@@ -134,10 +191,13 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(Path(args.anchor_dir).resolve()))
     import bench_append_vs_flashinfer as h
-    if args.part == "order":
+    if args.part in ("order", "token"):
         import bench_fp8_append_vs_flashinfer as h8
-        results = order_part(h, h8, set(args.fp8_rows.split(",")),
-                             [int(n) for n in args.pairs.split(",")])
+        if args.part == "order":
+            results = order_part(h, h8, set(args.fp8_rows.split(",")),
+                                 [int(n) for n in args.pairs.split(",")])
+        else:
+            results = token_part(h, h8)
         args.json.write_text(json.dumps(results, indent=1))
         return
 

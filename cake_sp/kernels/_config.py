@@ -223,21 +223,51 @@ APPEND_TILE_CHANNELS: int = 1024
 # Up to this many (token, head) rows in the batch, 4 warps (8 values a thread: more
 # programs in flight for small decode batches); above it, 2 warps (16 a thread).
 APPEND_SMALL_BATCH_ROWS: int = 4096
+# A token program (decode batches) holds up to 2048 channels of one token: 16 heads at
+# D = 128; 8 values of each column half a thread, so 4 warps at 16 x 128.
+APPEND_TOKEN_CHANNELS: int = 2048
+APPEND_TOKEN_VALUES_PER_THREAD: int = 8
+
+
+def _power_of_two_block(count: int, cap: int) -> int:
+    """The smallest power of two covering ``min(count, cap)`` (at least 1)."""
+    block = 1
+    while block < min(count, cap):
+        block *= 2
+    return block
 
 
 def append_block_m(num_tokens: int, head_dim: int) -> int:
     """Tokens per tile program: ``APPEND_TILE_CHANNELS / head_dim``, and no more than
     the batch needs (a power of two)."""
-    cap = max(1, APPEND_TILE_CHANNELS // head_dim)
-    block = 1
-    while block < min(num_tokens, cap):
-        block *= 2
-    return block
+    return _power_of_two_block(num_tokens, max(1, APPEND_TILE_CHANNELS // head_dim))
 
 
 def append_num_warps(num_tokens: int, num_slots: int) -> int:
     """Warps of every program of one append launch (``num_slots = Hq + 2 Hkv``)."""
     return 4 if num_tokens * num_slots <= APPEND_SMALL_BATCH_ROWS else 2
+
+
+def append_token_programs(num_tokens: int, num_requests: int) -> bool:
+    """Whether an append launch runs token programs (one token, ``append_slots_per_token``
+    head slots) instead of tiles of ``append_block_m`` tokens of one slot: decode batches,
+    no more tokens than requests, where a token's request is its own index."""
+    return num_tokens <= num_requests
+
+
+def append_slots_per_token(num_slots: int, head_dim: int) -> int:
+    """Head slots of one token a token program holds: ``APPEND_TOKEN_CHANNELS`` channels,
+    and no more than the token has (a power of two)."""
+    return _power_of_two_block(num_slots, max(1, APPEND_TOKEN_CHANNELS // head_dim))
+
+
+def append_token_num_warps(slots: int, head_dim: int) -> int:
+    """Warps of a token program of ``slots`` head slots: ``APPEND_TOKEN_VALUES_PER_THREAD``
+    values of each column half a thread, at most 4 warps."""
+    warps = 1
+    while warps < 4 and slots * head_dim // 2 > 32 * warps * APPEND_TOKEN_VALUES_PER_THREAD:
+        warps *= 2
+    return warps
 
 
 def append_clear_pairs(page_size: int, num_kv_heads: int, num_requests: int) -> int:

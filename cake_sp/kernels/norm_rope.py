@@ -202,11 +202,12 @@ def load_cos_sin_halves(cos_sin_ptr, rows, row_stride, mask, D: tl.constexpr,
 
 @triton.jit
 def rms_normalize_halves(lo, hi, w_ptr, eps, D: tl.constexpr):
-    """``rms_normalize(x) * w`` of a head given as its fp32 column halves."""
+    """``rms_normalize(x) * w`` of a head given as its fp32 column halves; ``w_ptr`` is
+    one pointer, or a ``[BLOCK_M, 1]`` tensor of them (a weight vector per row)."""
     inv = inv_rms(tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1), eps, D)[:, None]
-    half = tl.arange(0, D // 2)
-    return (lo * inv * tl.load(w_ptr + half).to(tl.float32)[None, :],
-            hi * inv * tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :])
+    half = tl.arange(0, D // 2)[None, :]
+    return (lo * inv * tl.load(w_ptr + half).to(tl.float32),
+            hi * inv * tl.load(w_ptr + D // 2 + half).to(tl.float32))
 
 
 @triton.jit

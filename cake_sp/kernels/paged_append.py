@@ -8,9 +8,13 @@ grid of two kinds of programs (``launch_plan`` sizes it from ``_config``'s table
   metadata and zeroes its share of the unused rows of ``b``'s last page (the
   page's ``(row, kv head)`` pairs split in ``CLEAR_PAIRS``); share 0 also writes
   the request's status;
-* a *tile* program per ``(BLOCK_M tokens, head slot)``: slot ``s`` is column
-  block ``s`` of the packed ``qkv`` row, so slots ``[0, Hq)`` are Q heads,
-  ``[Hq, Hq + Hkv)`` K heads and ``[Hq + Hkv, Hq + 2 Hkv)`` V heads.
+* *tile* programs, one per ``(BLOCK_M tokens, BLOCK_S head slots)``: slot ``s`` is
+  column block ``s`` of the packed ``qkv`` row, so slots ``[0, Hq)`` are Q heads,
+  ``[Hq, Hq + Hkv)`` K heads and ``[Hq + Hkv, Hq + 2 Hkv)`` V heads.  A launch takes
+  one of two shapes (``_config.append_token_programs``): ``BLOCK_M`` tokens of one
+  slot (``tile_program``: the tokens are the rows of the tile), or, for decode
+  batches, one token and ``BLOCK_S`` consecutive slots (``token_program``: the slots
+  are the rows, and the token's metadata are scalars).
 
 The smaller of the two groups comes first in the grid (``_config.append_tiles_first``),
 so that it is not dispatched behind the other.
@@ -30,9 +34,12 @@ a CUDA-graph replay rewrites them from scratch.
 The kernels are latency-bound at serving sizes, so a tile program keeps its
 chain of dependent loads to two: it reads its input rows first (they need no
 metadata), finds each token's request from one level of loads
-(``find_requests``: a direct look-up for decode batches, a scan otherwise),
-then reads the page table and the RoPE rows.  Heads are held as two column
-halves, so NeoX RoPE needs no exchange between threads.
+(``find_requests``, ``find_request``: a direct look-up for decode batches, a scan
+otherwise), then reads the page table and the RoPE rows.  Heads are held as two
+column halves, so NeoX RoPE needs no exchange between threads.  Why token programs
+for decode: a tile of tokens holds each token's metadata as a vector in a layout of
+its own, and every use beside the ``[rows, D/2]`` data (RoPE rows, store addresses,
+masks) converts it through shared memory behind a CTA barrier; a scalar needs none.
 
 This module also holds the host-side checks common to both launchers.
 """
@@ -68,15 +75,17 @@ _ERR_PAGE: tl.constexpr = tl.constexpr(ERR_PAGE)
 
 @triton.jit
 def program_role(pid, num_tokens, num_req, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 CLEAR_PROGRAMS: tl.constexpr, TILES_FIRST: tl.constexpr):
+                 BLOCK_S: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr,
+                 TILES_FIRST: tl.constexpr):
     """``(is_request, index)``: whether program ``pid`` of the grid is a request program,
     and its index among the programs of its kind.
 
-    ``TILES_FIRST``: the ``cdiv(T, BLOCK_M) * NUM_SLOTS`` tile programs come first, then
-    the ``B * CLEAR_PROGRAMS`` request programs; otherwise the other way round.
+    ``TILES_FIRST``: the ``cdiv(T, BLOCK_M) * cdiv(NUM_SLOTS, BLOCK_S)`` tile programs
+    come first, then the ``B * CLEAR_PROGRAMS`` request programs; otherwise the other way
+    round.
     """
     if TILES_FIRST:
-        tiles = tl.cdiv(num_tokens, BLOCK_M) * NUM_SLOTS
+        tiles = tl.cdiv(num_tokens, BLOCK_M) * ((NUM_SLOTS + BLOCK_S - 1) // BLOCK_S)
         is_request = pid >= tiles
         index = tl.where(is_request, pid - tiles, pid)
     else:
@@ -146,6 +155,30 @@ def find_requests(q_indptr_ptr, seq_lens_ptr, num_req, tok, live, BLOCK_M: tl.co
 
 
 @triton.jit
+def find_request(q_indptr_ptr, seq_lens_ptr, num_req, tok, CHUNK_B: tl.constexpr,
+                 NUM_B_CHUNKS: tl.constexpr):
+    """``find_requests`` for one token ``tok`` (a scalar): scalars ``(req, start, end,
+    seq_len)``.  The guess is request ``tok``; on a miss one scan of the table finds the
+    request, then its three values are loaded again."""
+    req = tl.minimum(tok, num_req - 1)
+    start = tl.load(q_indptr_ptr + req)
+    end = tl.load(q_indptr_ptr + req + 1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    if (tok < start) | (tok >= end):
+        req = req * 0
+        for c in range(NUM_B_CHUNKS):
+            j = c * CHUNK_B + tl.arange(0, CHUNK_B)
+            m = j < num_req
+            lo = tl.load(q_indptr_ptr + j, mask=m, other=0)
+            hi = tl.load(q_indptr_ptr + j + 1, mask=m, other=0)
+            req += tl.sum(tl.where(m & (lo <= tok) & (tok < hi), j, 0), axis=0)
+        start = tl.load(q_indptr_ptr + req)
+        end = tl.load(q_indptr_ptr + req + 1)
+        seq_len = tl.load(seq_lens_ptr + req)
+    return req, start, end, seq_len
+
+
+@triton.jit
 def positions_in_range(n, seq_len, max_pos, max_pages, PAGE_SIZE: tl.constexpr):
     """Whether the positions ``[seq_len - n, seq_len)`` of a request appending ``n``
     tokens all index the ``cos_sin`` table (``< max_pos``) and the page table
@@ -192,6 +225,90 @@ def tile_program(pid, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, num
     page_ok = tok_ok & (page >= 0) & (page < num_pages)
     return (slot, tok, req, tok - start, tok_ok, pos, page.to(tl.int64), pos % PAGE_SIZE,
             page_ok, x_lo, x_hi)
+
+
+@triton.jit
+def token_program(pid, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, num_tokens,
+                  num_req, max_req_len, max_pos, max_pages, num_pages, stride_qkv, stride_pi,
+                  NUM_SLOTS: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  BLOCK_S: tl.constexpr, CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr):
+    """Token program ``pid`` = ``tok * cdiv(NUM_SLOTS, BLOCK_S) + group``: head slots
+    ``[group * BLOCK_S, (group + 1) * BLOCK_S)`` of token ``tok``, the rows of its tile.
+
+    Loads the slots' input first, as ``tile_program`` does (bf16 ``[BLOCK_S, D/2]``
+    halves; slots past ``NUM_SLOTS`` read 0).  Returns ``(slot, slot_ok, tok, req, r,
+    tok_ok, pos, page, row, page_ok, x_lo, x_hi)``: ``slot`` and ``slot_ok`` (the slot
+    exists) are int32 / bool ``[BLOCK_S]``; the rest, as ``tile_program``'s, are scalars.
+    """
+    groups = (NUM_SLOTS + BLOCK_S - 1) // BLOCK_S
+    tok = pid // groups
+    slot = (pid % groups) * BLOCK_S + tl.arange(0, BLOCK_S)
+    slot_ok = slot < NUM_SLOTS
+    src = (qkv_ptr + tok.to(tl.int64) * stride_qkv + slot[:, None] * D
+           + tl.arange(0, D // 2)[None, :])
+    x_lo = tl.load(src, mask=slot_ok[:, None], other=0.0)
+    x_hi = tl.load(src + D // 2, mask=slot_ok[:, None], other=0.0)
+    valid = q_indptr_valid(q_indptr_ptr, num_req, num_tokens, max_req_len, CHUNK_B,
+                           NUM_B_CHUNKS)
+    req, start, end, seq_len = find_request(q_indptr_ptr, seq_lens_ptr, num_req, tok, CHUNK_B,
+                                            NUM_B_CHUNKS)
+    tok_ok = valid & positions_in_range(end - start, seq_len, max_pos, max_pages, PAGE_SIZE)
+    pos = tl.where(tok_ok, tok + seq_len - end, 0).to(tl.int64)
+    page = tl.load(page_indices_ptr + req.to(tl.int64) * stride_pi + pos // PAGE_SIZE,
+                   mask=tok_ok, other=-1)
+    page_ok = tok_ok & (page >= 0) & (page < num_pages)
+    return (slot, slot_ok, tok, req, tok - start, tok_ok, pos, page.to(tl.int64),
+            pos % PAGE_SIZE, page_ok, x_lo, x_hi)
+
+
+@triton.jit
+def normalized_rotated_slots(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr, stride_cs, q_norm_ptr,
+                             k_norm_ptr, eps, HQ: tl.constexpr, POLICY: tl.constexpr,
+                             BLOCK_S: tl.constexpr, D: tl.constexpr, STYLE: tl.constexpr):
+    """``qk_norm_rope`` of a token program's rows (``token_program``), each with its own
+    head kind's norm weights (Q for ``slot < Hq``, else K), all rotated by RoPE row
+    ``pos``: fp32 column halves, unrounded.  V rows come out rotated too; callers store
+    their input instead."""
+    cos_lo, sin_lo, cos_hi, sin_hi = load_cos_sin_halves(cos_sin_ptr, pos[None], stride_cs,
+                                                         tok_ok[None], D, STYLE)
+    w_ptr = tl.where(slot < HQ, q_norm_ptr, k_norm_ptr)[:, None]
+    return qk_norm_rope_halves(x_lo.to(tl.float32), x_hi.to(tl.float32), w_ptr, cos_lo,
+                               sin_lo, cos_hi, sin_hi, eps, POLICY, BLOCK_S, D, STYLE)
+
+
+@triton.jit
+def store_slot_rows(out_q_ptr, k_ptr, v_ptr, lo, hi, slot, slot_ok, tok, page, row, tok_ok,
+                    page_ok, stride_qt, stride_qh, stride_cp, stride_cr, stride_ch,
+                    stride_kt, stride_kh, stride_vt, stride_vh, HQ: tl.constexpr,
+                    HKV: tl.constexpr, D: tl.constexpr, K_TO_CACHE: tl.constexpr,
+                    V_TO_CACHE: tl.constexpr):
+    """Store a token program's rows (column halves ``[BLOCK_S, D/2]``, already in the
+    destination dtype) where each slot's kind sends it: Q rows into ``out_q`` row ``tok``,
+    K / V rows into their cache at ``(page, row)`` (``k_ptr`` / ``v_ptr`` the caches) or,
+    without ``*_TO_CACHE``, into the caller's ``out_k`` / ``out_v`` row ``tok`` (then
+    ``k_ptr`` / ``v_ptr`` point there).  One store per half: each row's address and
+    mask are chosen by its kind."""
+    is_q = slot < HQ
+    is_v = slot >= HQ + HKV
+    tok64 = tok.to(tl.int64)
+    q_dst = out_q_ptr + tok64 * stride_qt + slot * stride_qh
+    if K_TO_CACHE:
+        k_dst = k_ptr + page * stride_cp + row * stride_cr + (slot - HQ) * stride_ch
+        k_ok = page_ok
+    else:
+        k_dst = k_ptr + tok64 * stride_kt + (slot - HQ) * stride_kh
+        k_ok = tok_ok
+    if V_TO_CACHE:
+        v_dst = v_ptr + page * stride_cp + row * stride_cr + (slot - HQ - HKV) * stride_ch
+        v_ok = page_ok
+    else:
+        v_dst = v_ptr + tok64 * stride_vt + (slot - HQ - HKV) * stride_vh
+        v_ok = tok_ok
+    dst = (tl.where(is_q, q_dst, tl.where(is_v, v_dst, k_dst))[:, None]
+           + tl.arange(0, D // 2)[None, :])
+    ok = (slot_ok & tl.where(is_q, tok_ok, tl.where(is_v, v_ok, k_ok)))[:, None]
+    tl.store(dst, lo, mask=ok)
+    tl.store(dst + D // 2, hi, mask=ok)
 
 
 @triton.jit
@@ -345,12 +462,18 @@ def request_program(pid, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_p
 def launch_plan(num_tokens: int, num_req: int, num_slots: int, num_kv_heads: int,
                 head_dim: int, page_size: int, max_pages: int, clear: bool) -> dict[str, int]:
     """Grid and compile-time shapes of one append launch: ``grid``, ``num_warps`` and
-    the kernels' constexprs (``TILES_FIRST``: the order of the two kinds of programs).
+    the kernels' constexprs (``TOKEN_PROGRAMS``: token programs instead of tiles of
+    tokens, ``BLOCK_M`` x ``BLOCK_S`` tokens x slots a tile program; ``TILES_FIRST``: the
+    order of the two kinds of programs).
 
     Tile and clear sizes come from ``_config``'s per-shape table; the loop chunks
     are no wider than the tables they scan (8 requests are not padded to 128).
     """
-    block_m = _config.append_block_m(num_tokens, head_dim)
+    token_programs = _config.append_token_programs(num_tokens, num_req)
+    if token_programs:
+        block_m, block_s = 1, _config.append_slots_per_token(num_slots, head_dim)
+    else:
+        block_m, block_s = _config.append_block_m(num_tokens, head_dim), 1
     pairs = page_size * num_kv_heads  # (row, kv head) pairs of one page
     block_r = _config.APPEND_BLOCK_R
     clear_pairs = min(_config.append_clear_pairs(page_size, num_kv_heads, num_req),
@@ -358,11 +481,13 @@ def launch_plan(num_tokens: int, num_req: int, num_slots: int, num_kv_heads: int
     clear_programs = triton.cdiv(pairs, clear_pairs) if clear else 1
     chunk_b = min(_config.APPEND_CHUNK_B, triton.next_power_of_2(num_req))
     chunk_p = min(_config.APPEND_CHUNK_P, triton.next_power_of_2(max_pages))
-    tile_programs = triton.cdiv(num_tokens, block_m) * num_slots
+    tile_programs = triton.cdiv(num_tokens, block_m) * triton.cdiv(num_slots, block_s)
     request_programs = num_req * clear_programs
+    num_warps = (_config.append_token_num_warps(block_s, head_dim) if token_programs
+                 else _config.append_num_warps(num_tokens, num_slots))
     return dict(
-        grid=request_programs + tile_programs,
-        num_warps=_config.append_num_warps(num_tokens, num_slots), BLOCK_M=block_m,
+        grid=request_programs + tile_programs, num_warps=num_warps,
+        TOKEN_PROGRAMS=token_programs, BLOCK_M=block_m, BLOCK_S=block_s,
         CHUNK_B=chunk_b, NUM_B_CHUNKS=triton.cdiv(num_req, chunk_b), CHUNK_P=chunk_p,
         NUM_P_CHUNKS=triton.cdiv(max_pages, chunk_p), BLOCK_R=block_r,
         CLEAR_PAIRS=clear_pairs, CLEAR_PROGRAMS=clear_programs,

@@ -24,11 +24,14 @@ from cake_sp.kernels.paged_append import (
     describe,
     launch_plan,
     normalized_rotated_head,
+    normalized_rotated_slots,
     program_role,
     request_program,
     store_kv_rows,
+    store_slot_rows,
     store_token_rows,
     tile_program,
+    token_program,
 )
 
 _OP = "fused_qk_rmsnorm_rope_append_paged_kv_cache"
@@ -46,7 +49,8 @@ def _qk_rope_append_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr,
+    TOKEN_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr,
     CHUNK_P: tl.constexpr, NUM_P_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
     CLEAR_PAIRS: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr, TILES_FIRST: tl.constexpr,
     POLICY: tl.constexpr, STYLE: tl.constexpr, K_TO_CACHE: tl.constexpr,
@@ -56,13 +60,29 @@ def _qk_rope_append_kernel(
     """Request and tile programs (``paged_append``), in the order ``TILES_FIRST`` says.
     Q/K: ``bf16(qk_norm_rope(fp32(x)))``, rounded once; V: the input bits, copied."""
     is_request, index = program_role(tl.program_id(0), num_tokens, num_req, HQ + 2 * HKV,
-                                     BLOCK_M, CLEAR_PROGRAMS, TILES_FIRST)
+                                     BLOCK_M, BLOCK_S, CLEAR_PROGRAMS, TILES_FIRST)
     if is_request:
         request_program(index, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_ptr,
                         v_cache_ptr, error_flags_ptr, num_tokens, num_req, _NO_LIMIT, max_pos,
                         max_pages, num_pages, stride_pi, stride_cp, stride_cr, stride_ch, HKV,
                         D, PAGE_SIZE, CHUNK_B, NUM_B_CHUNKS, CHUNK_P, NUM_P_CHUNKS, BLOCK_R,
                         CLEAR_PAIRS, CLEAR_PROGRAMS, CLEAR, HAS_ERROR_FLAGS)
+    elif TOKEN_PROGRAMS:
+        slot, slot_ok, tok, req, r, tok_ok, pos, page, row, page_ok, x_lo, x_hi = token_program(
+            index, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, num_tokens, num_req,
+            _NO_LIMIT, max_pos, max_pages, num_pages, stride_qkv, stride_pi, HQ + 2 * HKV, D,
+            PAGE_SIZE, BLOCK_S, CHUNK_B, NUM_B_CHUNKS)
+        y_lo, y_hi = normalized_rotated_slots(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr,
+                                              stride_cs, q_norm_ptr, k_norm_ptr, eps, HQ,
+                                              POLICY, BLOCK_S, D, STYLE)
+        is_v = (slot >= HQ + HKV)[:, None]  # V rows keep their input bits
+        store_slot_rows(out_q_ptr, k_cache_ptr if K_TO_CACHE else out_k_ptr,
+                        v_cache_ptr if V_TO_CACHE else out_v_ptr,
+                        tl.where(is_v, x_lo, round_to_bf16(y_lo, INTERPRET)),
+                        tl.where(is_v, x_hi, round_to_bf16(y_hi, INTERPRET)), slot, slot_ok,
+                        tok, page, row, tok_ok, page_ok, stride_qt, stride_qh, stride_cp,
+                        stride_cr, stride_ch, stride_kt, stride_kh, stride_vt, stride_vh, HQ,
+                        HKV, D, K_TO_CACHE, V_TO_CACHE)
     else:
         slot, tok, req, r, tok_ok, pos, page, row, page_ok, x_lo, x_hi = tile_program(
             index, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr,

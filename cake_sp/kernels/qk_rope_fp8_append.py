@@ -27,12 +27,15 @@ from cake_sp.kernels.paged_append import (
     describe,
     launch_plan,
     normalized_rotated_head,
+    normalized_rotated_slots,
     program_role,
     request_program,
     require_tensor,
     store_kv_rows,
+    store_slot_rows,
     store_token_rows,
     tile_program,
+    token_program,
 )
 
 _OP = "fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache"
@@ -57,7 +60,8 @@ def _qk_rope_fp8_append_kernel(
     stride_sb, stride_st, stride_sh,
     eps, upper_max,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr,
+    TOKEN_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr,
     CHUNK_P: tl.constexpr, NUM_P_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
     CLEAR_PAIRS: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr, TILES_FIRST: tl.constexpr,
     POLICY: tl.constexpr, STYLE: tl.constexpr, QUANT: tl.constexpr,
@@ -71,7 +75,7 @@ def _qk_rope_fp8_append_kernel(
     reciprocal are rounded once (IEEE), then each product, then the FP8 conversion
     (nearest-even, saturating), as FlashInfer's kernel does."""
     is_request, index = program_role(tl.program_id(0), num_tokens, num_req, HQ + 2 * HKV,
-                                     BLOCK_M, CLEAR_PROGRAMS, TILES_FIRST)
+                                     BLOCK_M, BLOCK_S, CLEAR_PROGRAMS, TILES_FIRST)
     if is_request:
         b, c, valid = request_program(
             index, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_ptr, v_cache_ptr,
@@ -81,6 +85,40 @@ def _qk_rope_fp8_append_kernel(
             HAS_ERROR_FLAGS)
         for h in tl.static_range(HKV):  # one split_k_flag entry per (b, kv head)
             tl.store(split_k_flag_ptr + b * HKV + h, tl.where(valid, 0, -1), mask=c == 0)
+    elif TOKEN_PROGRAMS:
+        slot, slot_ok, tok, req, r, tok_ok, pos, page, row, page_ok, x_lo, x_hi = token_program(
+            index, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, num_tokens, num_req,
+            max_req_len, max_pos, max_pages, num_pages, stride_qkv, stride_pi, HQ + 2 * HKV, D,
+            PAGE_SIZE, BLOCK_S, CHUNK_B, NUM_B_CHUNKS)
+        y_lo, y_hi = normalized_rotated_slots(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr,
+                                              stride_cs, q_norm_ptr, k_norm_ptr, eps, HQ,
+                                              POLICY, BLOCK_S, D, STYLE)
+        is_q = slot < HQ
+        is_v = slot >= HQ + HKV
+        y_lo = tl.where(is_v[:, None], x_lo.to(tl.float32), y_lo)  # V rows: their input
+        y_hi = tl.where(is_v[:, None], x_hi.to(tl.float32), y_hi)
+        if QUANT == _QUANT_DYNAMIC:
+            amax = tl.maximum(tl.maximum(tl.max(tl.abs(y_lo), axis=1),
+                                         tl.max(tl.abs(y_hi), axis=1)), _AMAX_FLOOR)
+            scale = tl.math.div_rn(amax, tl.full([BLOCK_S], upper_max, tl.float32))
+            inv_q_scale = reciprocal_rn(scale)
+            if SCALE_BY_REQUEST:
+                s_off = req.to(tl.int64) * stride_sb + r * stride_st
+            else:
+                s_off = tok.to(tl.int64) * stride_st
+            tl.store(q_scale_ptr + s_off + slot * stride_sh, scale, mask=is_q & tok_ok)
+        else:
+            inv_q_scale = tl.load(q_scale_inv_ptr)
+        # Each row's multiplier: its Q scale's reciprocal, or the K / V scale's.
+        inv_scale = tl.where(is_q, inv_q_scale, tl.where(is_v, reciprocal_rn(tl.load(v_scale_ptr)),
+                                                         reciprocal_rn(tl.load(k_scale_ptr))))
+        store_slot_rows(out_q_ptr, k_cache_ptr if K_TO_CACHE else out_k_ptr,
+                        v_cache_ptr if V_TO_CACHE else out_v_ptr,
+                        round_to_fp8e4m3(y_lo * inv_scale[:, None], INTERPRET),
+                        round_to_fp8e4m3(y_hi * inv_scale[:, None], INTERPRET), slot, slot_ok,
+                        tok, page, row, tok_ok, page_ok, stride_qt, stride_qh, stride_cp,
+                        stride_cr, stride_ch, stride_kt, stride_kh, stride_vt, stride_vh, HQ,
+                        HKV, D, K_TO_CACHE, V_TO_CACHE)
     else:
         slot, tok, req, r, tok_ok, pos, page, row, page_ok, x_lo, x_hi = tile_program(
             index, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cake_sp.kernels import _config
+
 # Slack for fp32 arithmetic in the kernel (RMSNorm, RoPE, scale division):
 # each step is a few fp32 ulps (2**-24) of the row's largest magnitude, so
 # 2**-18 of that bounds all of them with room to spare, and stays far below
@@ -21,6 +23,17 @@ FP32_SLACK = 2.0**-18
 # (mantissa bits, smallest normal exponent, largest finite) per output format.
 FORMATS = {"bf16": (7, -126, math.inf), "fp8": (3, -6, 448.0)}
 TORCH_FORMATS = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+# ----------------------------------------------------------------------------- launches
+
+
+def force_programs(monkeypatch, programs: str) -> None:
+    """Make every append launch of the test take ``programs``: ``"token"`` (one token, a
+    run of head slots a program) or ``"tile"`` (tokens of one slot a program), whatever
+    the table would pick for the batch."""
+    monkeypatch.setattr(_config, "append_token_programs",
+                        lambda num_tokens, num_requests: programs == "token")
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _append_reference import Case, check_call, plan_targets, poisoned, reference_qk, rope_table
+from _append_reference import (
+    Case,
+    check_call,
+    force_programs,
+    plan_targets,
+    poisoned,
+    reference_qk,
+    rope_table,
+)
 
 from cake_sp import fused_qk_rmsnorm_rope_append_paged_kv_cache as append_bf16
 from cake_sp.kernels.paged_append import ERR_METADATA, ERR_PAGE, ERR_POSITION
@@ -90,6 +98,34 @@ def test_prefill_ragged_cross_page(device, heads, policy, rope_style, kv_layout,
     case = Case(**PREFILL, page_size=16, num_q_heads=heads[0], num_kv_heads=heads[1])
     run_case(device, case, policy=policy, rope_style=rope_style, kv_layout=kv_layout,
              record=record_property)
+
+
+@pytest.mark.parametrize("programs", ["token", "tile"])
+@pytest.mark.parametrize("mode,heads,policy,rope_style,kv_layout,redirect", [
+    ("decode", (8, 1), 2, "neox", "NHD", (False, False)),
+    ("decode", (4, 2), 1, "interleaved", "HND", (True, False)),
+    ("prefill", (2, 2), 0, "neox", "NHD", (False, True)),
+    ("prefill", (8, 1), 2, "interleaved", "HND", (False, False)),
+])
+def test_both_program_shapes(device, monkeypatch, programs, mode, heads, policy, rope_style,
+                             kv_layout, redirect):
+    """Token programs and tiles of tokens, each forced on decode and prefill batches, every
+    head kind, both layouts and the caller's out_k / out_v: the same bytes."""
+    force_programs(monkeypatch, programs)
+    case = Case(**(DECODE if mode == "decode" else PREFILL), page_size=16,
+                num_q_heads=heads[0], num_kv_heads=heads[1])
+    run_case(device, case, policy=policy, rope_style=rope_style, kv_layout=kv_layout,
+             redirect=redirect)
+
+
+def test_token_programs_scan_on_a_miss(device):
+    """A decode-sized batch (no more tokens than requests) with an empty request and a
+    two-token one: tokens 1-3 are not at their own request's index, so their token
+    programs scan the table.  GQA 12/3 has 18 head slots: runs of 16 and 2 a token."""
+    case = Case(new=[1, 0, 2, 1, 0], prefix=[6, 3, 9, 0, 2], page_size=4, num_q_heads=12,
+                num_kv_heads=3)
+    assert case.num_tokens <= len(case.new)
+    run_case(device, case, policy=2)
 
 
 @pytest.mark.parametrize("rope_style", ["neox", "interleaved"])
@@ -235,6 +271,21 @@ def test_gpu_real_shapes(device, heads, mode, page_size, policy, rope_style, rec
                 num_kv_heads=heads[1])
     run_case(device, case, policy=policy, rope_style=rope_style,
              kv_layout="HND" if page_size == 64 else "NHD", record=record_property)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", ["token", "tile"])
+@pytest.mark.parametrize("heads", [(8, 1), (64, 8), (32, 8), (4, 4)])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_gpu_both_program_shapes(device, monkeypatch, programs, heads, mode, record_property):
+    """The real shapes of ``test_gpu_real_shapes`` (page 64) with each program shape forced
+    on both kinds of batch: token programs on prefill too, tiles of tokens on decode too."""
+    force_programs(monkeypatch, programs)
+    b = 32 if mode == "decode" else 4
+    new = [1] * b if mode == "decode" else [300, 0, 129, 1]
+    case = Case(new=new, prefix=[(97 * i) % 700 for i in range(b)], page_size=64,
+                num_q_heads=heads[0], num_kv_heads=heads[1])
+    run_case(device, case, policy=2, kv_layout="HND", record=record_property)
 
 
 @pytest.mark.gpu

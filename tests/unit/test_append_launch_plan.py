@@ -34,12 +34,13 @@ def test_clear_shares(page_size, num_kv_heads, num_req, clear, programs, pairs):
                        head_dim=128, page_size=page_size, max_pages=70, clear=clear)
     assert (plan["CLEAR_PROGRAMS"], plan["CLEAR_PAIRS"]) == (programs, pairs)
     assert plan["CLEAR_PAIRS"] % plan["BLOCK_R"] == 0
-    assert plan["grid"] == num_req * programs + 32 // plan["BLOCK_M"] * 10
+    tiles = -(-32 // plan["BLOCK_M"]) * -(-10 // plan["BLOCK_S"])
+    assert plan["grid"] == num_req * programs + tiles
 
 
 @pytest.mark.parametrize("num_tokens,num_req,page_size,tiles_first", [
-    (32, 32, 64, True),      # decode (8, 1), page 64: 128 request programs, 40 tile programs
-    (32, 32, 16, False),     # page 16: 32 request programs (one 16-pair share each)
+    (32, 32, 64, True),      # decode (8, 1), page 64: 1024 request programs, 32 token programs
+    (32, 32, 16, False),     # page 16: 32 request programs (one 16-pair share each), 32 token
     (1024, 1, 64, False),    # one long prefill: 4 request programs, 1280 tile programs
 ])
 def test_the_smaller_group_of_programs_goes_first(num_tokens, num_req, page_size, tiles_first):
@@ -57,3 +58,31 @@ def test_scan_chunks_fit_the_tables():
                        page_size=16, max_pages=200, clear=True)
     assert (plan["CHUNK_B"], plan["NUM_B_CHUNKS"]) == (128, 3)
     assert (plan["CHUNK_P"], plan["NUM_P_CHUNKS"]) == (64, 4)
+
+
+@pytest.mark.parametrize("num_tokens,num_req,token_programs", [
+    (32, 32, True),     # decode: one token a request
+    (30, 32, True),     # no more tokens than requests (some append nothing)
+    (33, 32, False),    # one request appends two: tiles of tokens
+    (1024, 1, False),   # prefill
+])
+def test_token_programs_for_decode_batches(num_tokens, num_req, token_programs):
+    plan = launch_plan(num_tokens=num_tokens, num_req=num_req, num_slots=10, num_kv_heads=1,
+                       head_dim=128, page_size=16, max_pages=70, clear=True)
+    assert plan["TOKEN_PROGRAMS"] is token_programs
+    if token_programs:  # one token, a run of up to 16 slots (2048 channels) a program
+        assert (plan["BLOCK_M"], plan["BLOCK_S"]) == (1, 16)
+    else:
+        assert plan["BLOCK_S"] == 1
+
+
+@pytest.mark.parametrize("num_slots,head_dim,slots,warps", [
+    (10, 128, 16, 4),   # (8, 1): one run of 16 slots, 8 values of a half a thread
+    (80, 128, 16, 4),   # (64, 8): five runs
+    (3, 128, 4, 1),     # a small head count: 4 slots fill one warp
+    (48, 64, 32, 4),    # D = 64 takes 32 slots
+    (48, 256, 8, 4),
+])
+def test_token_program_shape(num_slots, head_dim, slots, warps):
+    assert _config.append_slots_per_token(num_slots, head_dim) == slots
+    assert _config.append_token_num_warps(slots, head_dim) == warps
