@@ -13,12 +13,11 @@ graph of 20 calls (median of 30 replays)::
 pairs of a last page one request program clears (16-256), BF16, pages of 16 and 64.
 ``order``: every BF16 row (with norm) and the FP8 rows ``--fp8-rows`` names, each on
 its own tool's inputs: the table's launch and, request programs first or tile programs
-first, clear shares of ``--pairs`` (8-128 pairs), timed A/B/B/A.  ``token``: the rows of
-both tools with no more tokens than requests (decode: BF16 both norm policies, FP8 both
-Q scales), the table's launch, tiles of tokens and token programs of 8, 16 or 32 head
-slots x 2 or 4 warps, timed A/B/B/A.  A variant patches
-``_config`` for its calls; the table itself is edited by hand from the results
-(docs/results.md).
+first, clear shares of ``--pairs`` (8-128 pairs), timed A/B/B/A.  ``token``: the BF16 rows
+with no more tokens than requests (decode, both norm policies), the table's launch, tiles
+of tokens and token programs of 8, 16 or 32 head slots x 2 or 4 warps, timed A/B/B/A.
+A variant patches ``_config`` for its calls; the table itself is edited by hand from the
+results (docs/results.md).
 
     python benchmarks/kernels/sweep_append_launch.py --part token --json token.json
 """
@@ -153,27 +152,28 @@ def token_graph(h, fn, variant: tuple[bool, int, int] | None):
          _config.append_token_num_warps) = saved
 
 
-def token_part(h, h8) -> list[dict]:
-    """The ``token`` sweep over the decode rows of both tools."""
-    start, results, gpu = time.time(), [], torch.device("cuda")
-    cases = [("bf16", geometry, f"{row.name} n{policy}", h,
-              h.problem_for(row, policy, geometry, gpu, 1))
-             for geometry in ("brief", "pr") for row in h.ROWS for policy in (2, 0)]
-    cases += [("fp8", geometry, row.name, h8, h8.problem_for(row, geometry, gpu, 1))
-              for geometry in ("brief", "pr") for row in h8.ROWS]
-    for op, geometry, name, tool, p in cases:
-        if p["t"] > p["row"].batch:
-            continue
-        fn = tool.project_arm(cake_sp, p, tool.fresh_outputs(p))
-        graphs = {"table": token_graph(h, fn, None)}
-        graphs |= {n: token_graph(h, fn, v) for n, v in token_variants().items()}
-        times = interleaved_us(h, graphs, rounds=3)
-        results.append(dict(op=op, geometry=geometry, row=name, times=times))
-        best = sorted(times, key=times.get)[:3]
-        print(f"{op} {geometry:5s} {name:26s} table={times['table']:.2f} "
-              f"tile={times['tile']:.2f} " + " ".join(f"{b}={times[b]:.2f}" for b in best)
-              + f"  [{time.time() - start:.0f} s]", flush=True)
+def token_part(h) -> list[dict]:
+    """The ``token`` sweep over the BF16 tool's decode rows."""
+    start, results = time.time(), []
+    for geometry in ("brief", "pr"):
+        for row in (r for r in h.ROWS if r.q_len == 1):
+            for policy in (2, 0):
+                results.append(token_row(h, geometry, row, policy))
+                print(f"  [{time.time() - start:.0f} s]", flush=True)
     return results
+
+
+def token_row(h, geometry: str, row, policy: int) -> dict:
+    """One row of the ``token`` sweep: every variant's time, A/B/B/A."""
+    p = h.problem_for(row, policy, geometry, torch.device("cuda"), 1)
+    fn = h.project_arm(cake_sp, p, h.fresh_outputs(p))
+    graphs = {"table": token_graph(h, fn, None)}
+    graphs |= {n: token_graph(h, fn, v) for n, v in token_variants().items()}
+    times = interleaved_us(h, graphs, rounds=3)
+    best = sorted(times, key=times.get)[:3]
+    print(f"bf16 {geometry:5s} {row.name} n{policy} table={times['table']:.2f} "
+          f"tile={times['tile']:.2f} " + " ".join(f"{b}={times[b]:.2f}" for b in best), end="")
+    return dict(op="bf16", geometry=geometry, row=f"{row.name} n{policy}", times=times)
 
 
 def main() -> None:
@@ -191,13 +191,13 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(Path(args.anchor_dir).resolve()))
     import bench_append_vs_flashinfer as h
-    if args.part in ("order", "token"):
+    if args.part == "token":
+        args.json.write_text(json.dumps(token_part(h), indent=1))
+        return
+    if args.part == "order":
         import bench_fp8_append_vs_flashinfer as h8
-        if args.part == "order":
-            results = order_part(h, h8, set(args.fp8_rows.split(",")),
-                                 [int(n) for n in args.pairs.split(",")])
-        else:
-            results = token_part(h, h8)
+        results = order_part(h, h8, set(args.fp8_rows.split(",")),
+                             [int(n) for n in args.pairs.split(",")])
         args.json.write_text(json.dumps(results, indent=1))
         return
 

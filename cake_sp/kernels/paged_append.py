@@ -11,10 +11,10 @@ grid of two kinds of programs (``launch_plan`` sizes it from ``_config``'s table
 * *tile* programs, one per ``(BLOCK_M tokens, BLOCK_S head slots)``: slot ``s`` is
   column block ``s`` of the packed ``qkv`` row, so slots ``[0, Hq)`` are Q heads,
   ``[Hq, Hq + Hkv)`` K heads and ``[Hq + Hkv, Hq + 2 Hkv)`` V heads.  A launch takes
-  one of two shapes (``_config.append_token_programs``): ``BLOCK_M`` tokens of one
-  slot (``tile_program``: the tokens are the rows of the tile), or, for decode
-  batches, one token and ``BLOCK_S`` consecutive slots (``token_program``: the slots
-  are the rows, and the token's metadata are scalars).
+  one of two shapes: ``BLOCK_M`` tokens of one slot (``tile_program``: the tokens are
+  the rows of the tile), or one token and ``BLOCK_S`` consecutive slots
+  (``token_program``: the slots are the rows, and the token's metadata are scalars),
+  which the BF16 kernel runs for decode batches (``_config.append_token_programs``).
 
 The smaller of the two groups comes first in the grid (``_config.append_tiles_first``),
 so that it is not dispatched behind the other.
@@ -460,16 +460,16 @@ def request_program(pid, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_p
 
 
 def launch_plan(num_tokens: int, num_req: int, num_slots: int, num_kv_heads: int,
-                head_dim: int, page_size: int, max_pages: int, clear: bool) -> dict[str, int]:
+                head_dim: int, page_size: int, max_pages: int, clear: bool, *,
+                token_programs: bool) -> dict[str, int]:
     """Grid and compile-time shapes of one append launch: ``grid``, ``num_warps`` and
     the kernels' constexprs (``TOKEN_PROGRAMS``: token programs instead of tiles of
-    tokens, ``BLOCK_M`` x ``BLOCK_S`` tokens x slots a tile program; ``TILES_FIRST``: the
-    order of the two kinds of programs).
+    tokens, as the launcher asks; ``BLOCK_M`` x ``BLOCK_S`` tokens x slots a tile program;
+    ``TILES_FIRST``: the order of the two kinds of programs).
 
     Tile and clear sizes come from ``_config``'s per-shape table; the loop chunks
     are no wider than the tables they scan (8 requests are not padded to 128).
     """
-    token_programs = _config.append_token_programs(num_tokens, num_req)
     if token_programs:
         block_m, block_s = 1, _config.append_slots_per_token(num_slots, head_dim)
     else:

@@ -288,7 +288,8 @@ def qk_rope_append_fwd(qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache
     num_tokens, num_req = qkv.shape[0], seq_lens.shape[0]
     head_dim = key_cache.shape[-1]
     plan = launch_plan(num_tokens, num_req, num_q_heads + 2 * num_kv_heads, num_kv_heads,
-                       head_dim, page_size, page_indices.shape[1], clear)
+                       head_dim, page_size, page_indices.shape[1], clear,
+                       token_programs=_config.append_token_programs(num_tokens, num_req))
     stride_cp, stride_cr, stride_ch = cache_strides(key_cache, kv_layout)
     # Absent optional tensors are never dereferenced (constexpr switches); any
     # valid pointer stands in for them.

@@ -27,15 +27,12 @@ from cake_sp.kernels.paged_append import (
     describe,
     launch_plan,
     normalized_rotated_head,
-    normalized_rotated_slots,
     program_role,
     request_program,
     require_tensor,
     store_kv_rows,
-    store_slot_rows,
     store_token_rows,
     tile_program,
-    token_program,
 )
 
 _OP = "fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache"
@@ -74,6 +71,9 @@ def _qk_rope_fp8_append_kernel(
     K: ``fp8(y * (1 / k_scale))``; V: ``fp8(fp32(v) * (1 / v_scale))``.  ``s`` and each
     reciprocal are rounded once (IEEE), then each product, then the FP8 conversion
     (nearest-even, saturating), as FlashInfer's kernel does."""
+    # Tiles of tokens only: token programs (``paged_append``) measured slower here than
+    # tiles on every FP8 decode row (docs/results.md), so this kernel does not have them.
+    tl.static_assert(not TOKEN_PROGRAMS)
     is_request, index = program_role(tl.program_id(0), num_tokens, num_req, HQ + 2 * HKV,
                                      BLOCK_M, BLOCK_S, CLEAR_PROGRAMS, TILES_FIRST)
     if is_request:
@@ -85,40 +85,6 @@ def _qk_rope_fp8_append_kernel(
             HAS_ERROR_FLAGS)
         for h in tl.static_range(HKV):  # one split_k_flag entry per (b, kv head)
             tl.store(split_k_flag_ptr + b * HKV + h, tl.where(valid, 0, -1), mask=c == 0)
-    elif TOKEN_PROGRAMS:
-        slot, slot_ok, tok, req, r, tok_ok, pos, page, row, page_ok, x_lo, x_hi = token_program(
-            index, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, num_tokens, num_req,
-            max_req_len, max_pos, max_pages, num_pages, stride_qkv, stride_pi, HQ + 2 * HKV, D,
-            PAGE_SIZE, BLOCK_S, CHUNK_B, NUM_B_CHUNKS)
-        y_lo, y_hi = normalized_rotated_slots(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr,
-                                              stride_cs, q_norm_ptr, k_norm_ptr, eps, HQ,
-                                              POLICY, BLOCK_S, D, STYLE)
-        is_q = slot < HQ
-        is_v = slot >= HQ + HKV
-        y_lo = tl.where(is_v[:, None], x_lo.to(tl.float32), y_lo)  # V rows: their input
-        y_hi = tl.where(is_v[:, None], x_hi.to(tl.float32), y_hi)
-        if QUANT == _QUANT_DYNAMIC:
-            amax = tl.maximum(tl.maximum(tl.max(tl.abs(y_lo), axis=1),
-                                         tl.max(tl.abs(y_hi), axis=1)), _AMAX_FLOOR)
-            scale = tl.math.div_rn(amax, tl.full([BLOCK_S], upper_max, tl.float32))
-            inv_q_scale = reciprocal_rn(scale)
-            if SCALE_BY_REQUEST:
-                s_off = req.to(tl.int64) * stride_sb + r * stride_st
-            else:
-                s_off = tok.to(tl.int64) * stride_st
-            tl.store(q_scale_ptr + s_off + slot * stride_sh, scale, mask=is_q & tok_ok)
-        else:
-            inv_q_scale = tl.load(q_scale_inv_ptr)
-        # Each row's multiplier: its Q scale's reciprocal, or the K / V scale's.
-        inv_scale = tl.where(is_q, inv_q_scale, tl.where(is_v, reciprocal_rn(tl.load(v_scale_ptr)),
-                                                         reciprocal_rn(tl.load(k_scale_ptr))))
-        store_slot_rows(out_q_ptr, k_cache_ptr if K_TO_CACHE else out_k_ptr,
-                        v_cache_ptr if V_TO_CACHE else out_v_ptr,
-                        round_to_fp8e4m3(y_lo * inv_scale[:, None], INTERPRET),
-                        round_to_fp8e4m3(y_hi * inv_scale[:, None], INTERPRET), slot, slot_ok,
-                        tok, page, row, tok_ok, page_ok, stride_qt, stride_qh, stride_cp,
-                        stride_cr, stride_ch, stride_kt, stride_kh, stride_vt, stride_vh, HQ,
-                        HKV, D, K_TO_CACHE, V_TO_CACHE)
     else:
         slot, tok, req, r, tok_ok, pos, page, row, page_ok, x_lo, x_hi = tile_program(
             index, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr,
@@ -378,7 +344,7 @@ def fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache(
             rope_style, kv_layout, clear_unused_last_page_rows, error_flags)
         return out_q, q_scale, split_k_flag
     plan = launch_plan(num_tokens, num_req, hq + 2 * hkv, hkv, head_dim, page_size,
-                       page_indices.shape[1], clear_unused_last_page_rows)
+                       page_indices.shape[1], clear_unused_last_page_rows, token_programs=False)
     stride_cp, stride_cr, stride_ch = cache_strides(key_cache, kv_layout)
     # Absent optional tensors are never dereferenced (constexpr switches); any
     # valid pointer stands in for them.

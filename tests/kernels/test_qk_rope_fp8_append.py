@@ -16,7 +16,6 @@ import triton.language as tl
 from _append_reference import (
     Case,
     check_call,
-    force_programs,
     plan_targets,
     poisoned,
     reference_qk,
@@ -138,34 +137,6 @@ def test_prefill_ragged_cross_page(device, heads, quant, policy, record_property
              record=record_property)
 
 
-@pytest.mark.parametrize("programs", ["token", "tile"])
-@pytest.mark.parametrize("mode,heads,quant,policy,kv_layout,redirect", [
-    ("decode", (8, 1), 1, 2, "NHD", (False, False)),
-    ("decode", (4, 2), 2, 1, "HND", (False, True)),
-    ("prefill", (2, 2), 1, 0, "NHD", (True, False)),
-    ("prefill", (8, 1), 2, 2, "HND", (False, False)),
-])
-def test_both_program_shapes(device, monkeypatch, programs, mode, heads, quant, policy,
-                             kv_layout, redirect):
-    """Token programs and tiles of tokens, each forced on decode and prefill batches (the
-    dynamic prefill scale indexed by request), both layouts, the caller's out_k / out_v."""
-    force_programs(monkeypatch, programs)
-    prefill = mode == "prefill"
-    case = Case(**(PREFILL if prefill else DECODE), page_size=16, num_q_heads=heads[0],
-                num_kv_heads=heads[1])
-    run_case(device, case, quant=quant, prefill=prefill, max_seqlen=24 if prefill else 0,
-             policy=policy, kv_layout=kv_layout, redirect=redirect)
-
-
-def test_token_programs_scan_on_a_miss(device):
-    """A decode-sized batch with an empty request and a two-token one (token programs that
-    scan the table); GQA 12/3 has 18 head slots: runs of 16 and 2 a token."""
-    case = Case(new=[1, 0, 2, 1, 0], prefix=[6, 3, 9, 0, 2], page_size=4, num_q_heads=12,
-                num_kv_heads=3)
-    assert case.num_tokens <= len(case.new)
-    run_case(device, case, quant=1, policy=2)
-
-
 @pytest.mark.parametrize("q_len", [127, 128, 129])
 def test_dynamic_scale_padding_boundary(device, q_len, record_property):
     """q_scale is [B, Hq, round_up(max_seqlen, 128)]; entries past each request stay untouched."""
@@ -269,24 +240,6 @@ def test_gpu_real_shapes(device, heads, mode, page_size, quant, policy, record_p
     run_case(device, case, quant=quant, prefill=mode == "prefill", max_seqlen=300,
              policy=policy, kv_layout="HND" if page_size == 64 else "NHD",
              rope_style="interleaved" if policy == 1 else "neox", record=record_property)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("programs", ["token", "tile"])
-@pytest.mark.parametrize("heads", [(8, 1), (64, 8), (32, 8), (4, 4)])
-@pytest.mark.parametrize("mode", ["decode", "prefill"])
-@pytest.mark.parametrize("quant", [1, 2])
-def test_gpu_both_program_shapes(device, monkeypatch, programs, heads, mode, quant,
-                                 record_property):
-    """The real shapes of ``test_gpu_real_shapes`` (page 64) with each program shape forced
-    on both kinds of batch: token programs on prefill too, tiles of tokens on decode too."""
-    force_programs(monkeypatch, programs)
-    b = 32 if mode == "decode" else 4
-    new = [1] * b if mode == "decode" else [300, 0, 129, 1]
-    case = Case(new=new, prefix=[(97 * i) % 700 for i in range(b)], page_size=64,
-                num_q_heads=heads[0], num_kv_heads=heads[1])
-    run_case(device, case, quant=quant, prefill=mode == "prefill", max_seqlen=300, policy=2,
-             kv_layout="HND", record=record_property)
 
 
 @pytest.mark.gpu

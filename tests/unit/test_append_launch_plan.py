@@ -29,9 +29,11 @@ def test_small_batches_take_more_warps():
     (5, 1, 32, True, 1, 16),       # a share never below APPEND_BLOCK_R
     (64, 8, 32, False, 1, 16),     # no clear: one status program a request
 ])
-def test_clear_shares(page_size, num_kv_heads, num_req, clear, programs, pairs):
+@pytest.mark.parametrize("token_programs", [False, True])
+def test_clear_shares(page_size, num_kv_heads, num_req, clear, programs, pairs, token_programs):
     plan = launch_plan(num_tokens=32, num_req=num_req, num_slots=10, num_kv_heads=num_kv_heads,
-                       head_dim=128, page_size=page_size, max_pages=70, clear=clear)
+                       head_dim=128, page_size=page_size, max_pages=70, clear=clear,
+                       token_programs=token_programs)
     assert (plan["CLEAR_PROGRAMS"], plan["CLEAR_PAIRS"]) == (programs, pairs)
     assert plan["CLEAR_PAIRS"] % plan["BLOCK_R"] == 0
     tiles = -(-32 // plan["BLOCK_M"]) * -(-10 // plan["BLOCK_S"])
@@ -45,17 +47,18 @@ def test_clear_shares(page_size, num_kv_heads, num_req, clear, programs, pairs):
 ])
 def test_the_smaller_group_of_programs_goes_first(num_tokens, num_req, page_size, tiles_first):
     plan = launch_plan(num_tokens=num_tokens, num_req=num_req, num_slots=10, num_kv_heads=1,
-                       head_dim=128, page_size=page_size, max_pages=70, clear=True)
+                       head_dim=128, page_size=page_size, max_pages=70, clear=True,
+                       token_programs=_config.append_token_programs(num_tokens, num_req))
     assert plan["TILES_FIRST"] is tiles_first
 
 
 def test_scan_chunks_fit_the_tables():
     plan = launch_plan(num_tokens=64, num_req=5, num_slots=4, num_kv_heads=1, head_dim=128,
-                       page_size=16, max_pages=3, clear=True)
+                       page_size=16, max_pages=3, clear=True, token_programs=False)
     assert (plan["CHUNK_B"], plan["NUM_B_CHUNKS"]) == (8, 1)
     assert (plan["CHUNK_P"], plan["NUM_P_CHUNKS"]) == (4, 1)
     plan = launch_plan(num_tokens=300, num_req=300, num_slots=4, num_kv_heads=1, head_dim=128,
-                       page_size=16, max_pages=200, clear=True)
+                       page_size=16, max_pages=200, clear=True, token_programs=False)
     assert (plan["CHUNK_B"], plan["NUM_B_CHUNKS"]) == (128, 3)
     assert (plan["CHUNK_P"], plan["NUM_P_CHUNKS"]) == (64, 4)
 
@@ -67,13 +70,16 @@ def test_scan_chunks_fit_the_tables():
     (1024, 1, False),   # prefill
 ])
 def test_token_programs_for_decode_batches(num_tokens, num_req, token_programs):
+    assert _config.append_token_programs(num_tokens, num_req) is token_programs
     plan = launch_plan(num_tokens=num_tokens, num_req=num_req, num_slots=10, num_kv_heads=1,
-                       head_dim=128, page_size=16, max_pages=70, clear=True)
+                       head_dim=128, page_size=16, max_pages=70, clear=True,
+                       token_programs=token_programs)
     assert plan["TOKEN_PROGRAMS"] is token_programs
     if token_programs:  # one token, a run of up to 16 slots (2048 channels) a program
         assert (plan["BLOCK_M"], plan["BLOCK_S"]) == (1, 16)
     else:
-        assert plan["BLOCK_S"] == 1
+        assert (plan["BLOCK_M"], plan["BLOCK_S"]) == (
+            _config.append_block_m(num_tokens, 128), 1)
 
 
 @pytest.mark.parametrize("num_slots,head_dim,slots,warps", [
