@@ -271,9 +271,9 @@ def normalized_rotated_slots(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr, stride_
     their input instead."""
     cos_lo, sin_lo, cos_hi, sin_hi = load_cos_sin_halves(cos_sin_ptr, pos[None], stride_cs,
                                                          tok_ok[None], D, STYLE)
-    w_ptr = tl.where(slot < HQ, q_norm_ptr, k_norm_ptr)[:, None]
-    return qk_norm_rope_halves(x_lo.to(tl.float32), x_hi.to(tl.float32), w_ptr, cos_lo,
-                               sin_lo, cos_hi, sin_hi, eps, POLICY, BLOCK_S, D, STYLE)
+    return qk_norm_rope_halves(x_lo.to(tl.float32), x_hi.to(tl.float32), q_norm_ptr, cos_lo,
+                               sin_lo, cos_hi, sin_hi, eps, POLICY, BLOCK_S, D, STYLE,
+                               k_norm_ptr, slot < HQ)
 
 
 @triton.jit
