@@ -14,8 +14,8 @@ pairs of a last page one request program clears (16-256), BF16, pages of 16 and 
 ``order``: every BF16 row (with norm) and the FP8 rows ``--fp8-rows`` names, each on
 its own tool's inputs: the table's launch and, request programs first or tile programs
 first, clear shares of ``--pairs`` (8-128 pairs), timed A/B/B/A.  ``token``: the BF16 rows
-with no more tokens than requests (decode, both norm policies), the table's launch, tiles
-of tokens and token programs of 8, 16 or 32 head slots x 2 or 4 warps, timed A/B/B/A.
+with no more tokens than requests (decode) and no QK norm, the table's launch, tiles of
+tokens and token programs of 8, 16 or 32 head slots x 2 or 4 warps, timed A/B/B/A.
 A variant patches ``_config`` for its calls; the table itself is edited by hand from the
 results (docs/results.md).
 
@@ -141,7 +141,7 @@ def token_graph(h, fn, variant: tuple[bool, int, int] | None):
              _config.append_token_num_warps)
     if variant is not None:
         token, slots, warps = variant
-        _config.append_token_programs = lambda num_tokens, num_requests: token
+        _config.append_token_programs = lambda num_tokens, num_requests, policy: token
         _config.append_slots_per_token = lambda num_slots, head_dim: min(
             slots, triton.next_power_of_2(num_slots))
         _config.append_token_num_warps = lambda block_s, head_dim: warps
@@ -153,13 +153,12 @@ def token_graph(h, fn, variant: tuple[bool, int, int] | None):
 
 
 def token_part(h) -> list[dict]:
-    """The ``token`` sweep over the BF16 tool's decode rows."""
+    """The ``token`` sweep over the BF16 tool's decode rows without QK norm."""
     start, results = time.time(), []
     for geometry in ("brief", "pr"):
         for row in (r for r in h.ROWS if r.q_len == 1):
-            for policy in (2, 0):
-                results.append(token_row(h, geometry, row, policy))
-                print(f"  [{time.time() - start:.0f} s]", flush=True)
+            results.append(token_row(h, geometry, row, 0))
+            print(f"  [{time.time() - start:.0f} s]", flush=True)
     return results
 
 

@@ -248,13 +248,15 @@ def append_num_warps(num_tokens: int, num_slots: int) -> int:
     return 4 if num_tokens * num_slots <= APPEND_SMALL_BATCH_ROWS else 2
 
 
-def append_token_programs(num_tokens: int, num_requests: int) -> bool:
+def append_token_programs(num_tokens: int, num_requests: int, qk_norm_policy: int) -> bool:
     """Whether a BF16 append launch runs token programs (one token, ``append_slots_per_token``
-    head slots) instead of tiles of ``append_block_m`` tokens of one slot: decode batches,
-    no more tokens than requests, where a token's request is its own index.  (On an H200
-    token programs took 0.99x the tiles' time over the BF16 decode rows of the FlashInfer
-    comparison, but 1.05x over the FP8 ones, so the FP8 kernel keeps tiles.)"""
-    return num_tokens <= num_requests
+    head slots) instead of tiles of ``append_block_m`` tokens of one slot: decode batches
+    (no more tokens than requests, where a token's request is its own index) without QK
+    norm.  On an H200, over the decode rows of the FlashInfer comparison, token programs
+    took 0.92-0.97x the tiles' time on 7 of the 10 rows without norm (0.99-1.05x on the
+    other three), but 0.98-1.11x with RMSNorm before RoPE, and 1.05x (geometric mean) on
+    the FP8 kernel's rows, which keeps tiles (docs/results.md)."""
+    return num_tokens <= num_requests and qk_norm_policy == 0
 
 
 def append_slots_per_token(num_slots: int, head_dim: int) -> int:

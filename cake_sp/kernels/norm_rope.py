@@ -201,42 +201,28 @@ def load_cos_sin_halves(cos_sin_ptr, rows, row_stride, mask, D: tl.constexpr,
 
 
 @triton.jit
-def rms_normalize_halves(lo, hi, w_ptr, eps, D: tl.constexpr, other_w_ptr=None,
-                         w_rows=None):
-    """``rms_normalize(x) * w`` of a head given as its fp32 column halves: the ``D`` weights
-    at ``w_ptr``, or, with ``other_w_ptr``, those at ``w_ptr`` for the rows where ``w_rows``
-    (bool ``[BLOCK_M]``) is set and those at ``other_w_ptr`` for the others.
-
-    Each weight vector is loaded 1-D and broadcast: a ``[1, D/2]`` or ``[BLOCK_M, D/2]``
-    load takes a layout of its own, and the tile is converted to it (1.25x the time on
-    1,024-token prefills)."""
+def rms_normalize_halves(lo, hi, w_ptr, eps, D: tl.constexpr):
+    """``rms_normalize(x) * w`` of a head given as its fp32 column halves."""
     inv = inv_rms(tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1), eps, D)[:, None]
     half = tl.arange(0, D // 2)
-    w_lo = tl.load(w_ptr + half).to(tl.float32)[None, :]
-    w_hi = tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
-    if other_w_ptr is not None:
-        w_lo = tl.where(w_rows[:, None], w_lo,
-                        tl.load(other_w_ptr + half).to(tl.float32)[None, :])
-        w_hi = tl.where(w_rows[:, None], w_hi,
-                        tl.load(other_w_ptr + D // 2 + half).to(tl.float32)[None, :])
-    return lo * inv * w_lo, hi * inv * w_hi
+    return (lo * inv * tl.load(w_ptr + half).to(tl.float32)[None, :],
+            hi * inv * tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :])
 
 
 @triton.jit
 def qk_norm_rope_halves(lo, hi, w_ptr, cos_lo, sin_lo, cos_hi, sin_hi, eps,
                         POLICY: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-                        STYLE: tl.constexpr, other_w_ptr=None, w_rows=None):
+                        STYLE: tl.constexpr):
     """``qk_norm_rope`` on a head given as its fp32 column halves ``lo``, ``hi``
     (``[BLOCK_M, D/2]`` each) with ``load_cos_sin_halves``' tables; returns the two
-    halves of the result.  ``other_w_ptr``, ``w_rows``: norm weights by row
-    (``rms_normalize_halves``)."""
+    halves of the result."""
     if POLICY == QK_NORM_BEFORE_ROPE:
-        lo, hi = rms_normalize_halves(lo, hi, w_ptr, eps, D, other_w_ptr, w_rows)
+        lo, hi = rms_normalize_halves(lo, hi, w_ptr, eps, D)
     if STYLE == ROPE_NEOX:
         lo, hi = rotate_pairs(lo, hi, cos_lo, sin_lo)
     else:
         lo = rope_rotate(lo, cos_lo, sin_lo, BLOCK_M, D // 2, STYLE)
         hi = rope_rotate(hi, cos_hi, sin_hi, BLOCK_M, D // 2, STYLE)
     if POLICY == QK_NORM_AFTER_ROPE:
-        lo, hi = rms_normalize_halves(lo, hi, w_ptr, eps, D, other_w_ptr, w_rows)
+        lo, hi = rms_normalize_halves(lo, hi, w_ptr, eps, D)
     return lo, hi

@@ -14,7 +14,8 @@ grid of two kinds of programs (``launch_plan`` sizes it from ``_config``'s table
   one of two shapes: ``BLOCK_M`` tokens of one slot (``tile_program``: the tokens are
   the rows of the tile), or one token and ``BLOCK_S`` consecutive slots
   (``token_program``: the slots are the rows, and the token's metadata are scalars),
-  which the BF16 kernel runs for decode batches (``_config.append_token_programs``).
+  which the BF16 kernel runs for decode batches without QK norm
+  (``_config.append_token_programs``).
 
 The smaller of the two groups comes first in the grid (``_config.append_tiles_first``),
 so that it is not dispatched behind the other.
@@ -52,7 +53,12 @@ import triton.language as tl
 
 from cake_sp._validation import check_tensor, describe
 from cake_sp.kernels import _config
-from cake_sp.kernels.norm_rope import QK_NORM_POLICIES, load_cos_sin_halves, qk_norm_rope_halves
+from cake_sp.kernels.norm_rope import (
+    QK_NORM_NONE,
+    QK_NORM_POLICIES,
+    load_cos_sin_halves,
+    qk_norm_rope_halves,
+)
 
 KV_LAYOUTS = ("NHD", "HND")
 HEAD_DIMS = (64, 128, 256)
@@ -262,18 +268,17 @@ def token_program(pid, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, nu
 
 
 @triton.jit
-def normalized_rotated_slots(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr, stride_cs, q_norm_ptr,
-                             k_norm_ptr, eps, HQ: tl.constexpr, POLICY: tl.constexpr,
-                             BLOCK_S: tl.constexpr, D: tl.constexpr, STYLE: tl.constexpr):
-    """``qk_norm_rope`` of a token program's rows (``token_program``), each with its own
-    head kind's norm weights (Q for ``slot < Hq``, else K), all rotated by RoPE row
-    ``pos``: fp32 column halves, unrounded.  V rows come out rotated too; callers store
+def rotated_slots(x_lo, x_hi, pos, tok_ok, cos_sin_ptr, stride_cs, BLOCK_S: tl.constexpr,
+                  D: tl.constexpr, STYLE: tl.constexpr):
+    """RoPE row ``pos`` applied to every row of a token program (``token_program``): fp32
+    column halves, unrounded.  No QK norm: token programs run only without one
+    (``_config.append_token_programs``).  V rows come out rotated too; callers store
     their input instead."""
     cos_lo, sin_lo, cos_hi, sin_hi = load_cos_sin_halves(cos_sin_ptr, pos[None], stride_cs,
                                                          tok_ok[None], D, STYLE)
-    return qk_norm_rope_halves(x_lo.to(tl.float32), x_hi.to(tl.float32), q_norm_ptr, cos_lo,
-                               sin_lo, cos_hi, sin_hi, eps, POLICY, BLOCK_S, D, STYLE,
-                               k_norm_ptr, slot < HQ)
+    # Policy 0 reads no norm weights: any pointer stands in for them.
+    return qk_norm_rope_halves(x_lo.to(tl.float32), x_hi.to(tl.float32), cos_sin_ptr, cos_lo,
+                               sin_lo, cos_hi, sin_hi, 0.0, QK_NORM_NONE, BLOCK_S, D, STYLE)
 
 
 @triton.jit

@@ -20,6 +20,7 @@ from _append_reference import (
 )
 
 from cake_sp import fused_qk_rmsnorm_rope_append_paged_kv_cache as append_bf16
+from cake_sp.kernels import _config
 from cake_sp.kernels.paged_append import ERR_METADATA, ERR_PAGE, ERR_POSITION
 
 BF16 = torch.bfloat16
@@ -101,21 +102,34 @@ def test_prefill_ragged_cross_page(device, heads, policy, rope_style, kv_layout,
 
 
 @pytest.mark.parametrize("programs", ["token", "tile"])
-@pytest.mark.parametrize("mode,heads,policy,rope_style,kv_layout,redirect", [
-    ("decode", (8, 1), 2, "neox", "NHD", (False, False)),
-    ("decode", (4, 2), 1, "interleaved", "HND", (True, False)),
-    ("prefill", (2, 2), 0, "neox", "NHD", (False, True)),
-    ("prefill", (8, 1), 2, "interleaved", "HND", (False, False)),
+@pytest.mark.parametrize("mode,heads,rope_style,kv_layout,redirect", [
+    ("decode", (8, 1), "neox", "NHD", (False, False)),
+    ("decode", (4, 2), "interleaved", "HND", (True, False)),
+    ("prefill", (2, 2), "neox", "NHD", (False, True)),
+    ("prefill", (8, 1), "interleaved", "HND", (False, False)),
 ])
-def test_both_program_shapes(device, monkeypatch, programs, mode, heads, policy, rope_style,
-                             kv_layout, redirect):
-    """Token programs and tiles of tokens, each forced on decode and prefill batches, every
-    head kind, both layouts and the caller's out_k / out_v: the same bytes."""
+def test_both_program_shapes(device, monkeypatch, programs, mode, heads, rope_style, kv_layout,
+                             redirect):
+    """Token programs and tiles of tokens, each forced on decode and prefill batches (without
+    QK norm: token programs have none), every head kind, both layouts and the caller's
+    out_k / out_v: the same bytes."""
     force_programs(monkeypatch, programs)
     case = Case(**(DECODE if mode == "decode" else PREFILL), page_size=16,
                 num_q_heads=heads[0], num_kv_heads=heads[1])
-    run_case(device, case, policy=policy, rope_style=rope_style, kv_layout=kv_layout,
+    run_case(device, case, policy=0, rope_style=rope_style, kv_layout=kv_layout,
              redirect=redirect)
+
+
+def test_decode_with_norm_takes_tiles(device, monkeypatch):
+    """Token programs run only without QK norm: a decode batch with RMSNorm takes tiles."""
+    seen = []
+    rule = _config.append_token_programs
+    monkeypatch.setattr(_config, "append_token_programs",
+                        lambda *args: seen.append(rule(*args)) or seen[-1])
+    case = Case(**DECODE, page_size=16, num_q_heads=8, num_kv_heads=1)
+    for policy in (2, 0):
+        run_case(device, case, policy=policy)
+    assert seen == [False, True]
 
 
 def test_token_programs_scan_on_a_miss(device):
@@ -125,7 +139,7 @@ def test_token_programs_scan_on_a_miss(device):
     case = Case(new=[1, 0, 2, 1, 0], prefix=[6, 3, 9, 0, 2], page_size=4, num_q_heads=12,
                 num_kv_heads=3)
     assert case.num_tokens <= len(case.new)
-    run_case(device, case, policy=2)
+    run_case(device, case, policy=0)
 
 
 @pytest.mark.parametrize("rope_style", ["neox", "interleaved"])
@@ -285,7 +299,7 @@ def test_gpu_both_program_shapes(device, monkeypatch, programs, heads, mode, rec
     new = [1] * b if mode == "decode" else [300, 0, 129, 1]
     case = Case(new=new, prefix=[(97 * i) % 700 for i in range(b)], page_size=64,
                 num_q_heads=heads[0], num_kv_heads=heads[1])
-    run_case(device, case, policy=2, kv_layout="HND", record=record_property)
+    run_case(device, case, policy=0, kv_layout="HND", record=record_property)
 
 
 @pytest.mark.gpu
