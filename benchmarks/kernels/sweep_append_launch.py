@@ -138,18 +138,19 @@ def token_graph(h, fn, variant: tuple[bool, int, int] | None):
     """A CUDA graph of ``CALLS`` calls of ``fn`` with the program shape of ``variant``
     (None: the table's)."""
     saved = (_config.append_token_programs, _config.append_slots_per_token,
-             _config.append_token_num_warps)
+             _config.append_num_warps)
     if variant is not None:
         token, slots, warps = variant
         _config.append_token_programs = lambda num_tokens, num_requests, policy: token
         _config.append_slots_per_token = lambda num_slots, head_dim: min(
             slots, triton.next_power_of_2(num_slots))
-        _config.append_token_num_warps = lambda block_s, head_dim: warps
+        if token:
+            _config.append_num_warps = lambda num_tokens, num_slots: warps
     try:
         return h.capture(fn, CALLS)
     finally:
         (_config.append_token_programs, _config.append_slots_per_token,
-         _config.append_token_num_warps) = saved
+         _config.append_num_warps) = saved
 
 
 def token_part(h) -> list[dict]:

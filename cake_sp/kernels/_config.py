@@ -224,9 +224,10 @@ APPEND_TILE_CHANNELS: int = 1024
 # programs in flight for small decode batches); above it, 2 warps (16 a thread).
 APPEND_SMALL_BATCH_ROWS: int = 4096
 # A token program (decode batches) holds up to 2048 channels of one token: 16 heads at
-# D = 128; 8 values of each column half a thread, so 4 warps at 16 x 128.
+# D = 128.  Its warps follow append_num_warps, as a tile program's do: on an H200, 2 warps
+# took 0.94-0.98x the time of 4 on H3 (128 requests, (64, 8): 10,240 rows), and from 0.98x
+# (D4, pages of 64) to 1.18x on the smaller decode batches (no QK norm).
 APPEND_TOKEN_CHANNELS: int = 2048
-APPEND_TOKEN_VALUES_PER_THREAD: int = 8
 
 
 def _power_of_two_block(count: int, cap: int) -> int:
@@ -244,7 +245,8 @@ def append_block_m(num_tokens: int, head_dim: int) -> int:
 
 
 def append_num_warps(num_tokens: int, num_slots: int) -> int:
-    """Warps of every program of one append launch (``num_slots = Hq + 2 Hkv``)."""
+    """Warps of every program of one append launch (``num_slots = Hq + 2 Hkv``), tiles of
+    tokens or token programs."""
     return 4 if num_tokens * num_slots <= APPEND_SMALL_BATCH_ROWS else 2
 
 
@@ -263,15 +265,6 @@ def append_slots_per_token(num_slots: int, head_dim: int) -> int:
     """Head slots of one token a token program holds: ``APPEND_TOKEN_CHANNELS`` channels,
     and no more than the token has (a power of two)."""
     return _power_of_two_block(num_slots, max(1, APPEND_TOKEN_CHANNELS // head_dim))
-
-
-def append_token_num_warps(slots: int, head_dim: int) -> int:
-    """Warps of a token program of ``slots`` head slots: ``APPEND_TOKEN_VALUES_PER_THREAD``
-    values of each column half a thread, at most 4 warps."""
-    warps = 1
-    while warps < 4 and slots * head_dim // 2 > 32 * warps * APPEND_TOKEN_VALUES_PER_THREAD:
-        warps *= 2
-    return warps
 
 
 def append_clear_pairs(page_size: int, num_kv_heads: int, num_requests: int) -> int:

@@ -488,10 +488,9 @@ def launch_plan(num_tokens: int, num_req: int, num_slots: int, num_kv_heads: int
     chunk_p = min(_config.APPEND_CHUNK_P, triton.next_power_of_2(max_pages))
     tile_programs = triton.cdiv(num_tokens, block_m) * triton.cdiv(num_slots, block_s)
     request_programs = num_req * clear_programs
-    num_warps = (_config.append_token_num_warps(block_s, head_dim) if token_programs
-                 else _config.append_num_warps(num_tokens, num_slots))
     return dict(
-        grid=request_programs + tile_programs, num_warps=num_warps,
+        grid=request_programs + tile_programs,
+        num_warps=_config.append_num_warps(num_tokens, num_slots),
         TOKEN_PROGRAMS=token_programs, BLOCK_M=block_m, BLOCK_S=block_s,
         CHUNK_B=chunk_b, NUM_B_CHUNKS=triton.cdiv(num_req, chunk_b), CHUNK_P=chunk_p,
         NUM_P_CHUNKS=triton.cdiv(max_pages, chunk_p), BLOCK_R=block_r,

@@ -84,13 +84,23 @@ def test_token_programs_for_decode_batches(num_tokens, num_req, policy, token_pr
             _config.append_block_m(num_tokens, 128), 1)
 
 
-@pytest.mark.parametrize("num_slots,head_dim,slots,warps", [
-    (10, 128, 16, 4),   # (8, 1): one run of 16 slots, 8 values of a half a thread
-    (80, 128, 16, 4),   # (64, 8): five runs
-    (3, 128, 4, 1),     # a small head count: 4 slots fill one warp
-    (48, 64, 32, 4),    # D = 64 takes 32 slots
-    (48, 256, 8, 4),
+@pytest.mark.parametrize("num_slots,head_dim,slots", [
+    (10, 128, 16),   # (8, 1): one run of 16 slots
+    (80, 128, 16),   # (64, 8): five runs
+    (3, 128, 4),     # a small head count
+    (48, 64, 32),    # D = 64 takes 32 slots
+    (48, 256, 8),
 ])
-def test_token_program_shape(num_slots, head_dim, slots, warps):
+def test_token_program_slots(num_slots, head_dim, slots):
     assert _config.append_slots_per_token(num_slots, head_dim) == slots
-    assert _config.append_token_num_warps(slots, head_dim) == warps
+
+
+@pytest.mark.parametrize("num_tokens,num_slots,warps", [
+    (256, 10, 4),    # D4: 2,560 rows
+    (128, 80, 2),    # H3: 10,240 rows
+])
+def test_token_programs_take_the_tiles_warps(num_tokens, num_slots, warps):
+    plan = launch_plan(num_tokens=num_tokens, num_req=num_tokens, num_slots=num_slots,
+                       num_kv_heads=num_slots // 10, head_dim=128, page_size=64, max_pages=40,
+                       clear=True, token_programs=True)
+    assert plan["num_warps"] == warps == _config.append_num_warps(num_tokens, num_slots)
