@@ -242,9 +242,9 @@ def token_program(pid, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, nu
     ``[group * BLOCK_S, (group + 1) * BLOCK_S)`` of token ``tok``, the rows of its tile.
 
     Loads the slots' input first, as ``tile_program`` does (bf16 ``[BLOCK_S, D/2]``
-    halves; slots past ``NUM_SLOTS`` read 0).  Returns ``(slot, slot_ok, tok, req, r,
-    tok_ok, pos, page, row, page_ok, x_lo, x_hi)``: ``slot`` and ``slot_ok`` (the slot
-    exists) are int32 / bool ``[BLOCK_S]``; the rest, as ``tile_program``'s, are scalars.
+    halves; slots past ``NUM_SLOTS`` read 0).  Returns ``(slot, slot_ok, tok, tok_ok, pos,
+    page, row, page_ok, x_lo, x_hi)``: ``slot`` and ``slot_ok`` (the slot exists) are
+    int32 / bool ``[BLOCK_S]``; the rest, as ``tile_program``'s, are scalars.
     """
     groups = (NUM_SLOTS + BLOCK_S - 1) // BLOCK_S
     tok = pid // groups
@@ -263,8 +263,7 @@ def token_program(pid, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, nu
     page = tl.load(page_indices_ptr + req.to(tl.int64) * stride_pi + pos // PAGE_SIZE,
                    mask=tok_ok, other=-1)
     page_ok = tok_ok & (page >= 0) & (page < num_pages)
-    return (slot, slot_ok, tok, req, tok - start, tok_ok, pos, page.to(tl.int64),
-            pos % PAGE_SIZE, page_ok, x_lo, x_hi)
+    return slot, slot_ok, tok, tok_ok, pos, page.to(tl.int64), pos % PAGE_SIZE, page_ok, x_lo, x_hi
 
 
 @triton.jit

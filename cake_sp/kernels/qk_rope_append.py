@@ -68,11 +68,11 @@ def _qk_rope_append_kernel(
                         D, PAGE_SIZE, CHUNK_B, NUM_B_CHUNKS, CHUNK_P, NUM_P_CHUNKS, BLOCK_R,
                         CLEAR_PAIRS, CLEAR_PROGRAMS, CLEAR, HAS_ERROR_FLAGS)
     elif TOKEN_PROGRAMS:
-        slot, slot_ok, tok, req, r, tok_ok, pos, page, row, page_ok, x_lo, x_hi = token_program(
+        tl.static_assert(POLICY == 0, "token programs run without QK norm")
+        slot, slot_ok, tok, tok_ok, pos, page, row, page_ok, x_lo, x_hi = token_program(
             index, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, num_tokens, num_req,
             _NO_LIMIT, max_pos, max_pages, num_pages, stride_qkv, stride_pi, HQ + 2 * HKV, D,
             PAGE_SIZE, BLOCK_S, CHUNK_B, NUM_B_CHUNKS)
-        tl.static_assert(POLICY == 0, "token programs run without QK norm")
         y_lo, y_hi = rotated_slots(x_lo, x_hi, pos, tok_ok, cos_sin_ptr, stride_cs, BLOCK_S, D,
                                    STYLE)
         is_v = (slot >= HQ + HKV)[:, None]  # V rows keep their input bits

@@ -71,8 +71,8 @@ def _qk_rope_fp8_append_kernel(
     K: ``fp8(y * (1 / k_scale))``; V: ``fp8(fp32(v) * (1 / v_scale))``.  ``s`` and each
     reciprocal are rounded once (IEEE), then each product, then the FP8 conversion
     (nearest-even, saturating), as FlashInfer's kernel does."""
-    # Tiles of tokens only: token programs (``paged_append``) measured slower here than
-    # tiles on every FP8 decode row (docs/results.md), so this kernel does not have them.
+    # Tiles of tokens only: token programs (``paged_append``) took 1.05x the tiles' time
+    # over the FP8 decode rows on an H200 (docs/results.md), so this kernel has none.
     tl.static_assert(not TOKEN_PROGRAMS)
     is_request, index = program_role(tl.program_id(0), num_tokens, num_req, HQ + 2 * HKV,
                                      BLOCK_M, BLOCK_S, CLEAR_PROGRAMS, TILES_FIRST)
