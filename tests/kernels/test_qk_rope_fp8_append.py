@@ -13,14 +13,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from _append_reference import (
-    Case,
-    check_call,
-    plan_targets,
-    poisoned,
-    reference_qk,
-    rope_table,
-)
+from _append_reference import Case, check_call, plan_targets, poisoned, reference_qk, rope_table
 
 from cake_sp import fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as append_fp8
 from cake_sp.kernels.norm_rope import reciprocal_rn
