@@ -126,8 +126,8 @@ def order_part(h, h8, fp8_rows: set[str], pairs: list[int]) -> list[dict]:
 
 
 def token_variants() -> dict[str, tuple[bool, int, int]]:
-    """The ``token`` part's variants: name -> (token programs, slots, warps); "tile" is the
-    table's tiles of tokens, "table" the table's own choice."""
+    """The ``token`` part's variants beside the table's own launch: name -> (token programs,
+    slots, warps); "tile" is the table's tiles of tokens."""
     variants = {"tile": (False, 0, 0)}
     variants |= {f"s{s} w{w}": (True, s, w) for s, w in ((8, 2), (8, 4), (16, 2), (16, 4),
                                                          (32, 4))}

@@ -122,10 +122,13 @@ def test_both_program_shapes(device, monkeypatch, programs, mode, heads, rope_st
 
 def test_decode_with_norm_takes_tiles(device, monkeypatch):
     """Token programs run only without QK norm: a decode batch with RMSNorm takes tiles."""
-    seen = []
-    rule = _config.append_token_programs
-    monkeypatch.setattr(_config, "append_token_programs",
-                        lambda *args: seen.append(rule(*args)) or seen[-1])
+    rule, seen = _config.append_token_programs, []
+
+    def recorded_rule(num_tokens, num_requests, qk_norm_policy):
+        seen.append(rule(num_tokens, num_requests, qk_norm_policy))
+        return seen[-1]
+
+    monkeypatch.setattr(_config, "append_token_programs", recorded_rule)
     case = Case(**DECODE, page_size=16, num_q_heads=8, num_kv_heads=1)
     for policy in (2, 0):
         run_case(device, case, policy=policy)
