@@ -48,15 +48,16 @@ def run_case(device, case: Case, *, policy=2, rope_style="neox", kv_layout="NHD"
     q_before = poisoned((t, case.num_q_heads, d), BF16)
     outs_before = [poisoned((t, case.num_kv_heads, d), BF16) if r else None for r in redirect]
     flags = torch.full((len(case.new),), -7, dtype=torch.int32, device=device)
-    caches = [c.to(device) for c in caches_before]
-    outs = [None if o is None else o.to(device) for o in outs_before]
+    # Copies, also on the CPU (where .to(device) would alias): the poison is compared after.
+    caches = [c.to(device, copy=True) for c in caches_before]
+    outs = [None if o is None else o.to(device, copy=True) for o in outs_before]
     out_q = append_bf16(
         qkv.to(device), cos_sin.to(device), case.seq_lens.to(device), case.q_indptr.to(device),
         case.page_indices.to(device), caches[0], caches[1], num_q_heads=case.num_q_heads,
         num_kv_heads=case.num_kv_heads, qk_norm_policy=policy,
         q_norm_weight=weights[0].to(device), k_norm_weight=weights[1].to(device),
-        rope_style=rope_style, kv_layout=kv_layout, out_q=q_before.to(device), out_k=outs[0],
-        out_v=outs[1], clear_unused_last_page_rows=clear, error_flags=flags)
+        rope_style=rope_style, kv_layout=kv_layout, out_q=q_before.to(device, copy=True),
+        out_k=outs[0], out_v=outs[1], clear_unused_last_page_rows=clear, error_flags=flags)
     targets = targets or plan_targets(case, clear=clear)
     assert flags.cpu().tolist() == targets.status
     if any(targets.writable):
@@ -201,17 +202,28 @@ def test_out_of_range_page_writes_nothing(device):
     assert not all(targets.page_ok) and any(targets.page_ok)
 
 
-@pytest.mark.parametrize("breakage", ["first", "decreasing", "last"])
-def test_malformed_q_indptr_writes_nothing(device, breakage):
-    case = Case(new=[2, 3, 1], prefix=[5, 0, 9], page_size=4, num_q_heads=2, num_kv_heads=1)
+@pytest.mark.parametrize("programs", ["tile", "token"])
+@pytest.mark.parametrize("breakage", ["first", "decreasing", "last", "overlapping"])
+def test_malformed_q_indptr_writes_nothing(device, monkeypatch, programs, breakage):
+    """Every program loads before it knows the table is valid; a malformed one still writes
+    nothing, in both program shapes.  "overlapping": two requests' ranges both hold tokens 2
+    and 3, so a scan for their request sums to B, past the table."""
+    force_programs(monkeypatch, programs)
+    if breakage == "overlapping":
+        case = Case(new=[1, 1, 1, 1], prefix=[5, 0, 9, 2], page_size=4, num_q_heads=2,
+                    num_kv_heads=1)
+        case.q_indptr[:] = torch.tensor([0, 1, 4, 2, 4], dtype=torch.int32)
+    else:
+        case = Case(new=[2, 3, 1], prefix=[5, 0, 9], page_size=4, num_q_heads=2,
+                    num_kv_heads=1)
     if breakage == "first":
         case.q_indptr[0] = 1
     elif breakage == "decreasing":
         case.q_indptr[1], case.q_indptr[2] = 4, 3
-    else:
+    elif breakage == "last":
         case.q_indptr[-1] = case.num_tokens - 1
-    targets = run_case(device, case)
-    assert targets.status == [ERR_METADATA] * 3 and not any(targets.writable)
+    targets = run_case(device, case, policy=0)
+    assert targets.status == [ERR_METADATA] * len(case.new) and not any(targets.writable)
 
 
 def test_bad_positions_skip_the_request(device):

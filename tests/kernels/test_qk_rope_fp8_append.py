@@ -56,15 +56,17 @@ def run_case(device, case: Case, *, quant=1, prefill=False, max_seqlen=0, policy
     qs_before = poisoned(q_scale_shape(case, quant, prefill, max_seqlen), torch.float32)
     split_before = poisoned((len(case.new), case.num_kv_heads), torch.int32)
     flags = torch.full((len(case.new),), -7, dtype=torch.int32, device=device)
-    caches = [c.to(device) for c in caches_before]
-    outs = [None if o is None else o.to(device) for o in outs_before]
+    # Copies, also on the CPU (where .to(device) would alias): the poison is compared after.
+    caches = [c.to(device, copy=True) for c in caches_before]
+    outs = [None if o is None else o.to(device, copy=True) for o in outs_before]
     dev = [x.to(device) for x in (qkv, cos_sin, case.seq_lens, case.q_indptr, case.page_indices)]
     out_q, q_scale, split = append_fp8(
         *dev, tuple(caches), prefill, scales[0].to(device), scales[1].to(device), quant,
         max_seqlen=max_seqlen, upper_max=upper_max, q_scale_inv=scales[2].to(device),
         q_norm_weight=weights[0].to(device), k_norm_weight=weights[1].to(device),
-        qk_norm_policy=policy, out_q=q_before.to(device), out_k=outs[0], out_v=outs[1],
-        q_scale=qs_before.to(device), split_k_flag=split_before.to(device),
+        qk_norm_policy=policy, out_q=q_before.to(device, copy=True), out_k=outs[0], out_v=outs[1],
+        q_scale=qs_before.to(device, copy=True),
+        split_k_flag=split_before.to(device, copy=True),
         rope_style=rope_style, kv_layout=kv_layout, clear_unused_last_page_rows=clear,
         error_flags=flags)
     max_req_len = max_seqlen if (quant == 1 and prefill) else None
