@@ -128,7 +128,8 @@ def find_requests(q_indptr_ptr, seq_lens_ptr, num_req, tok, live, BLOCK_M: tl.co
 
     Returns int32 ``[BLOCK_M]`` vectors ``(req, start, end, seq_len)``: the
     request's index, ``q_indptr[req]``, ``q_indptr[req + 1]`` and ``seq_lens[req]``;
-    exact for a valid table (``q_indptr_valid``), unspecified otherwise.
+    exact for a valid table (``q_indptr_valid``), unspecified otherwise but for
+    ``req``, which is always in ``[0, B)``.
 
     The first guess is request ``tok`` itself, which decode batches (one token
     per request) always match: three gathers, no scan.  Only when a live token of
@@ -157,6 +158,8 @@ def find_requests(q_indptr_ptr, seq_lens_ptr, num_req, tok, live, BLOCK_M: tl.co
             start += tl.sum(tl.where(hit, lo[None, :], 0), axis=1)
             end += tl.sum(tl.where(hit, hi[None, :], 0), axis=1)
             seq_len += tl.sum(tl.where(hit, sl[None, :], 0), axis=1)
+        # Overlapping ranges of a malformed table sum to any index.
+        req = tl.minimum(req, num_req - 1)
     return req, start, end, seq_len
 
 
@@ -165,7 +168,8 @@ def find_request(q_indptr_ptr, seq_lens_ptr, num_req, tok, CHUNK_B: tl.constexpr
                  NUM_B_CHUNKS: tl.constexpr):
     """``find_requests`` for one token ``tok`` (a scalar): scalars ``(req, start, end,
     seq_len)``.  The guess is request ``tok``; on a miss one scan of the table finds the
-    request, then its three values are loaded again."""
+    request, then its three values are loaded again, from an index kept in ``[0, B)``: the
+    ranges of a malformed table may overlap, and their indices sum past the table."""
     req = tl.minimum(tok, num_req - 1)
     start = tl.load(q_indptr_ptr + req)
     end = tl.load(q_indptr_ptr + req + 1)
@@ -178,6 +182,7 @@ def find_request(q_indptr_ptr, seq_lens_ptr, num_req, tok, CHUNK_B: tl.constexpr
             lo = tl.load(q_indptr_ptr + j, mask=m, other=0)
             hi = tl.load(q_indptr_ptr + j + 1, mask=m, other=0)
             req += tl.sum(tl.where(m & (lo <= tok) & (tok < hi), j, 0), axis=0)
+        req = tl.minimum(req, num_req - 1)
         start = tl.load(q_indptr_ptr + req)
         end = tl.load(q_indptr_ptr + req + 1)
         seq_len = tl.load(seq_lens_ptr + req)
