@@ -57,3 +57,16 @@ def test_fp8_register_bound_keeps_three_programs_an_sm():
     assert regs % 8 == 0 and per_sm * regs * 128 <= 65536 < per_sm * (regs + 8) * 128
     assert tuning.decode_max_registers(2, 128) is None
     assert tuning.decode_max_registers(1, 256) is None
+
+
+@pytest.mark.parametrize("batch,keys,element_size,want", [
+    (16, 1024, 2, 2),     # bf16 from 16 requests, any length
+    (256, 8192, 2, 2),
+    (8, 32768, 2, 3),     # fewer requests keep 3
+    (1, 1024, 1, 3),
+    (16, 1024, 1, 3),     # FP8 batches of few keys keep 3
+    (16, 4096, 1, 2),     # FP8 from 4k keys
+    (64, 32768, 1, 2),
+])
+def test_decode_stages_by_batch_and_keys(batch, keys, element_size, want):
+    assert tuning.decode_num_stages(batch, keys, element_size) == want

@@ -224,7 +224,8 @@ def decode_triton(p: PagedAttention) -> None:
         Q_LEN=q_len, GROUP=group, PAGE_SIZE=p.page_size, HEAD_DIM=head_dim,
         BLOCK_M=block_rows(group, q_len), BLOCK_N=block_n,
         WINDOW=p.window_left >= 0, FINALIZE=finalize, **flags,
-        num_warps=tuning.DECODE_NUM_WARPS, num_stages=tuning.DECODE_NUM_STAGES,
+        num_warps=tuning.DECODE_NUM_WARPS,
+        num_stages=tuning.decode_num_stages(p.batch, p.max_kv_len, p.k_cache.element_size()),
         maxnreg=tuning.decode_max_registers(p.k_cache.element_size(), head_dim),
     )
     if finalize:

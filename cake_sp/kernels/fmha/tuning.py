@@ -21,7 +21,11 @@ DECODE_MIN_ROWS = 16
 DECODE_MAX_ROWS = 64
 # 8 warps ran 35-40 % slower with FP8 KV and up to 33 % with bf16 (sweep 3).
 DECODE_NUM_WARPS = 4
+# Pipeline stages of the partial kernel's K/V loads (decode_num_stages).
 DECODE_NUM_STAGES = 3
+DECODE_WIDE_NUM_STAGES = 2
+DECODE_WIDE_MIN_BATCH = 16
+DECODE_WIDE_FP8_MIN_KEYS = 4096
 # Split-KV (decode_num_splits).
 DECODE_MAX_SPLITS = 64
 # A split count is good enough when its last wave is at least this fraction as full as the
@@ -116,6 +120,20 @@ def decode_num_splits(programs: int, key_tiles: int, max_kv_len: int, kv_element
         bound = min(key_tiles, DECODE_MAX_SPLITS, -(-max_kv_len // max_keys))
         splits = max(splits, -(-key_tiles // -(-key_tiles // bound)))
     return splits
+
+
+def decode_num_stages(batch: int, max_kv_len: int, kv_element_size: int) -> int:
+    """Pipeline stages of the decode partial kernel: ``DECODE_WIDE_NUM_STAGES`` (2) for batches
+    of at least ``DECODE_WIDE_MIN_BATCH`` requests (FP8 KV: of at least
+    ``DECODE_WIDE_FP8_MIN_KEYS`` keys too), else ``DECODE_NUM_STAGES`` (3).
+
+    On an H200 (GQA 32/8 and 64/8, D = 128, pages of 64), 2 stages took 0.98-1.00x the time
+    of 3 on every bf16 row from B = 16 (1k-32k keys) and 0.95-1.00x on the FP8 rows from
+    B = 16 with 8k-32k keys, in two runs; below 16 requests, and on FP8 batches of 1k keys,
+    neither count won every row (0.95-1.04x), so those keep 3 (docs/results.md)."""
+    wide = batch >= DECODE_WIDE_MIN_BATCH and (kv_element_size == 2
+                                               or max_kv_len >= DECODE_WIDE_FP8_MIN_KEYS)
+    return DECODE_WIDE_NUM_STAGES if wide else DECODE_NUM_STAGES
 
 
 def decode_combine_split_chunk(head_dim: int) -> int:
