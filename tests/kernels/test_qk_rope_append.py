@@ -205,9 +205,9 @@ def test_out_of_range_page_writes_nothing(device):
 @pytest.mark.parametrize("programs", ["tile", "token"])
 @pytest.mark.parametrize("breakage", ["first", "decreasing", "last", "overlapping"])
 def test_malformed_q_indptr_writes_nothing(device, monkeypatch, programs, breakage):
-    """Every program loads before it knows the table is valid; a malformed one still writes
-    nothing, in both program shapes.  "overlapping": two requests' ranges both hold tokens 2
-    and 3, so a scan for their request sums to B, past the table."""
+    """A malformed table writes nothing and flags every request, in both program shapes.
+    "overlapping": two requests' ranges both hold tokens 2 and 3, so a scan for their request
+    sums to B (clamped into the table before its loads)."""
     force_programs(monkeypatch, programs)
     if breakage == "overlapping":
         case = Case(new=[1, 1, 1, 1], prefix=[5, 0, 9, 2], page_size=4, num_q_heads=2,
