@@ -7,7 +7,15 @@ import zlib
 
 import pytest
 import torch
-from _fmha_cases import TOLERANCES, FmhaCase, assert_matches, call, make_call, shape_grid
+from _fmha_cases import (
+    TOLERANCES,
+    FmhaCase,
+    assert_matches,
+    call,
+    make_call,
+    oracle_fp64,
+    shape_grid,
+)
 
 from cake_sp.kernels.fmha import tuning
 
@@ -55,6 +63,25 @@ def test_real_shapes(case, warp_specialized, monkeypatch):
     on the calls the other one serves."""
     monkeypatch.setattr(tuning, "CONTEXT_WARP_SPECIALIZED", warp_specialized)
     _triton_vs_compat(case, monkeypatch, 1)
+
+
+@pytest.mark.parametrize("case", [
+    FmhaCase(num_kv_heads=8, group=4, head_dim=128, page_size=64, fp8_kv=True,
+             kv_lens=(4096, 77, 1), q_lens=(1, 1, 1), lse=True),
+    FmhaCase(op="context", num_kv_heads=8, group=4, head_dim=128, page_size=64, fp8_kv=True,
+             kv_lens=(700, 300), q_lens=(700, 20), lse=True),
+], ids=FmhaCase.label)
+def test_fp8_query_beyond_fp16_range(case, monkeypatch):
+    """A bf16 query past fp16's largest value (65504) under FP8 KV, whose dots take fp16
+    operands (``tuning.fp16_dots``): Q is scaled into range first, so the result still
+    matches the fp64 oracle."""
+    assert tuning.fp16_dots(case.q_dtype, 1)
+    monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")
+    kw = make_call(case, torch.device("cuda"), seed=3)
+    kw["query"].mul_(2.0 ** 17)  # powers of two: exact, and the logits unchanged
+    kw["bmm1_scale"] *= 2.0 ** -17
+    assert kw["query"].abs().max().item() > 65504
+    assert_matches(case, kw, call(case, kw), *oracle_fp64(case, kw))
 
 
 @pytest.mark.parametrize("route", ["triton", "compat_v1"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cake_sp.kernels.fmha import tuning
 
@@ -70,3 +71,13 @@ def test_fp8_register_bound_keeps_three_programs_an_sm():
 ])
 def test_decode_stages_by_batch_and_keys(batch, keys, element_size, want):
     assert tuning.decode_num_stages(batch, keys, element_size) == want
+
+
+@pytest.mark.parametrize("query_dtype,element_size,want", [
+    (torch.bfloat16, 1, True),    # FP8 KV under a bf16 query: fp16 dots
+    (torch.float16, 1, False),    # an fp16 query's dots are fp16 already
+    (torch.bfloat16, 2, False),   # 16-bit KV: the query's own dtype
+    (torch.float16, 2, False),
+])
+def test_fp16_dots_only_for_fp8_kv_under_bf16_queries(query_dtype, element_size, want):
+    assert tuning.fp16_dots(query_dtype, element_size) is want

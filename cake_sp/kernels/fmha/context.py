@@ -32,8 +32,10 @@ from cake_sp.kernels.fmha.manifest import ensure_sources_verified
 from cake_sp.kernels.fmha.problem import PagedAttention, cache_rows
 from cake_sp.kernels.fmha.tiles import (
     LOG2E,
+    Q_FP16_SCALE,
     attend_key_range,
     finalize_rows,
+    query_operand,
     store_out,
     unmasked_end,
 )
@@ -48,7 +50,7 @@ except ImportError:
 def _context_kernel(
     q_ptr, k_src, v_src, k_table_ptr, v_table_ptr, seq_lens_ptr, cu_q_ptr, sinks_ptr,
     out_ptr, lse_ptr,
-    scale_log2, bmm2_scale, window_left, num_heads,
+    scale_log2, bmm2_scale, q_scale, window_left, num_heads,
     stride_qt, stride_qh,
     k_head_offset, stride_kp, stride_ks, k_page_rows,
     v_head_offset, stride_vp, stride_vs, v_page_rows,
@@ -56,13 +58,14 @@ def _context_kernel(
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, OUT_BF16: tl.constexpr,
-    USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_FP16: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Attention of query rows ``[m0, m0 + BLOCK_M)`` of one request and head.
 
     ``k_head_offset``/``v_head_offset`` locate KV head 0 .. of a page: an element
     offset per KV head, or with ``USE_TMA`` a row offset per KV head in the
-    descriptor's rows (see ``tiles.load_key_tile``).
+    descriptor's rows (see ``tiles.load_key_tile``).  ``DOT_FP16``, ``q_scale``: as in
+    ``tiles.query_operand``.
     """
     pid = tl.program_id(0)
     # The last query blocks of a causal request see the most keys: launch them first.
@@ -79,8 +82,7 @@ def _context_kernel(
         cols = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + cols[None, :],
                     mask=row_ok[:, None], other=0.0)
-        if INTERPRET:
-            q = q.to(tl.float32)
+        q, scale_log2 = query_operand(q, scale_log2, q_scale, DOT_FP16, INTERPRET)
         kv_len = tl.load(seq_lens_ptr + b).to(tl.int32)
         q_pos = kv_len - q_len + rows
         lo = 0
@@ -167,7 +169,7 @@ def context_triton(p: PagedAttention) -> None:
         p.query, k_src, v_src, p.k_tables, p.v_tables, p.seq_lens, p.cu_q,
         p.sinks if p.sinks is not None else p.seq_lens,
         p.out, p.lse if p.lse is not None else p.out,
-        p.bmm1_scale * math.log2(math.e), p.bmm2_scale, p.window_left, num_heads,
+        p.bmm1_scale * math.log2(math.e), p.bmm2_scale, Q_FP16_SCALE, p.window_left, num_heads,
         p.query.stride(0), p.query.stride(1),
         k_head_offset, p.k_cache.stride(0), p.k_cache.stride(2), k_page_rows,
         v_head_offset, p.v_cache.stride(0), p.v_cache.stride(2), v_page_rows,
@@ -176,6 +178,7 @@ def context_triton(p: PagedAttention) -> None:
         BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=p.causal, WINDOW=p.window_left >= 0,
         HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None,
-        OUT_BF16=p.out.dtype == torch.bfloat16, USE_TMA=use_tma, INTERPRET=INTERPRET,
+        OUT_BF16=p.out.dtype == torch.bfloat16, USE_TMA=use_tma,
+        DOT_FP16=tuning.fp16_dots(p.query.dtype, p.k_cache.element_size()), INTERPRET=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )

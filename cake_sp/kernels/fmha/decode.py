@@ -30,8 +30,10 @@ from cake_sp.kernels.fmha.manifest import ensure_sources_verified
 from cake_sp.kernels.fmha.problem import PagedAttention
 from cake_sp.kernels.fmha.tiles import (
     LOG2E,
+    Q_FP16_SCALE,
     finalize_rows,
     fold_key_tiles,
+    query_operand,
     store_out,
 )
 
@@ -40,7 +42,7 @@ from cake_sp.kernels.fmha.tiles import (
 def _decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, k_table_ptr, v_table_ptr, seq_lens_ptr, acc_ptr, ml_ptr,
     sinks_ptr, out_ptr, lse_ptr,
-    scale_log2, bmm2_scale, window_left, num_kv_heads, chunk_len,
+    scale_log2, bmm2_scale, q_scale, window_left, num_kv_heads, chunk_len,
     stride_qt, stride_qh,
     stride_kp, stride_kh, stride_ks,
     stride_vp, stride_vh, stride_vs,
@@ -48,12 +50,13 @@ def _decode_partial_kernel(
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
     FINALIZE: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
-    OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    OUT_BF16: tl.constexpr, DOT_FP16: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Attention of one split: rows ``(q token i, head g)`` of one (request, KV head).
 
     Writes the partial ``acc [T, Hq, S, D]`` and ``ml [T, Hq, S, 2]`` (log2-unit
     max, sum) fp32, or with ``FINALIZE`` (one split) ``out`` and the LSE themselves.
+    ``DOT_FP16``, ``q_scale``: as in ``tiles.query_operand``.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -68,8 +71,7 @@ def _decode_partial_kernel(
     cols = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + cols[None, :],
                 mask=row_ok[:, None], other=0.0)
-    if INTERPRET:
-        q = q.to(tl.float32)
+    q, scale_log2 = query_operand(q, scale_log2, q_scale, DOT_FP16, INTERPRET)
 
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     q_pos = seq_len - Q_LEN + qi
@@ -216,14 +218,15 @@ def decode_triton(p: PagedAttention) -> None:
     _decode_partial_kernel[(p.batch * hkv, splits)](
         p.query, p.k_cache, p.v_cache, p.k_tables, p.v_tables, p.seq_lens,
         spare if finalize else acc, spare if finalize else ml, sinks, p.out, lse,
-        p.bmm1_scale * math.log2(math.e), p.bmm2_scale, p.window_left, hkv, chunk,
+        p.bmm1_scale * math.log2(math.e), p.bmm2_scale, Q_FP16_SCALE, p.window_left, hkv, chunk,
         p.query.stride(0), p.query.stride(1),
         p.k_cache.stride(0), p.k_cache.stride(1), p.k_cache.stride(2),
         p.v_cache.stride(0), p.v_cache.stride(1), p.v_cache.stride(2),
         p.k_tables.stride(0), p.v_tables.stride(0), p.out.stride(0), p.out.stride(1),
         Q_LEN=q_len, GROUP=group, PAGE_SIZE=p.page_size, HEAD_DIM=head_dim,
         BLOCK_M=block_rows(group, q_len), BLOCK_N=block_n,
-        WINDOW=p.window_left >= 0, FINALIZE=finalize, **flags,
+        WINDOW=p.window_left >= 0, FINALIZE=finalize,
+        DOT_FP16=tuning.fp16_dots(p.query.dtype, p.k_cache.element_size()), **flags,
         num_warps=tuning.DECODE_NUM_WARPS,
         num_stages=tuning.decode_num_stages(p.batch, p.max_kv_len, p.k_cache.element_size()),
         maxnreg=tuning.decode_max_registers(p.k_cache.element_size(), head_dim),

@@ -7,8 +7,9 @@ the kernels in natural-log units.
 
 When ``INTERPRET`` is set (the CPU interpreter, whose bf16 arithmetic is
 wrong) every operand is upcast to fp32 right after its load; on a GPU K and V
-are cast to the query's 16-bit type (exact for fp8 e4m3) and the dots run on
-the tensor cores with fp32 accumulation.
+are cast to the 16-bit type of the query tile (exact for fp8 e4m3; under FP8
+KV a bf16 query becomes fp16, ``query_operand``) and the dots run on the tensor
+cores with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -20,6 +21,30 @@ from cake_sp.kernels.norm_rope import round_to_bf16
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+# Q's scale before the dots take fp16 operands from a bf16 query (``query_operand``): a power
+# of two, folded back into the logit scale, so exact; it keeps any bf16 query below 2**24 in
+# fp16's range (one below 2**-9 rounds, by at most 2**-17).
+Q_FP16_SCALE = 1.0 / 256.0
+
+
+@triton.jit
+def query_operand(q, scale_log2, q_scale, DOT_FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``(q, scale_log2)``: a loaded query tile as the dots take it, and the logit scale
+    that goes with it.
+
+    ``DOT_FP16`` (``tuning.fp16_dots``: FP8 KV under a bf16 query): fp16, scaled by
+    ``q_scale`` (``Q_FP16_SCALE``) first, so K and V convert to fp16 too.  ``q_scale`` is an
+    argument because as a constant the compiler moves the multiply past the conversion to
+    fp16, where a large query overflows.  The interpreter keeps fp32 (scaled all the same).
+    """
+    if DOT_FP16:
+        q = q.to(tl.float32) * q_scale
+        scale_log2 = scale_log2 / q_scale
+        if not INTERPRET:
+            q = q.to(tl.float16)
+    elif INTERPRET:
+        q = q.to(tl.float32)
+    return q, scale_log2
 
 
 @triton.jit

@@ -136,6 +136,15 @@ def decode_num_stages(batch: int, max_kv_len: int, kv_element_size: int) -> int:
     return DECODE_WIDE_NUM_STAGES if wide else DECODE_NUM_STAGES
 
 
+def fp16_dots(query_dtype: torch.dtype, kv_element_size: int) -> bool:
+    """Whether the decode and context dots take fp16 operands: FP8 KV under a bf16 query.  An e4m3
+    value converts to fp16 (exactly) in one instruction for two, to bf16 only through fp16
+    again per value; on an H200 those conversions ran at a quarter of the integer rate and
+    held the FP8 kernel to about half the bf16 one's bandwidth.  Q is scaled into fp16's
+    range first (``tiles.query_operand``), and P rounds to fp16, 3 bits finer than bf16."""
+    return kv_element_size == 1 and query_dtype == torch.bfloat16
+
+
 def decode_combine_split_chunk(head_dim: int) -> int:
     """Partials the combine kernel loads at once: 4096 fp32 values, 32 a thread of 4 warps."""
     return max(1, 4096 // head_dim)
