@@ -68,9 +68,9 @@ def _run_route(case, device, route, monkeypatch, seed):
 @pytest.mark.parametrize("case", CASES, ids=FmhaCase.label)
 def test_triton_route_matches_compat(case, device, monkeypatch):
     # Many splits: every split of a short request is empty, long ones span several; the
-    # combine kernel merges them two at a time, so its loop runs with a masked last chunk.
+    # combine kernel takes 16 columns at a time, so a row is merged by several programs.
     monkeypatch.setattr(tuning, "decode_programs_per_sm", lambda kv_element_size: 64)
-    monkeypatch.setattr(tuning, "decode_combine_split_chunk", lambda head_dim: 2)
+    monkeypatch.setattr(tuning, "decode_combine_block_d", lambda block_s, head_dim: 16)
     seed = zlib.crc32(case.label().encode())
     ref_kw, _ = _run_route(case, device, "compat_v1", monkeypatch, seed)
     kw, result = _run_route(case, device, "triton", monkeypatch, seed)

@@ -81,3 +81,16 @@ def test_decode_stages_by_batch_and_keys(batch, keys, element_size, want):
 ])
 def test_fp16_dots_only_for_fp8_kv_under_bf16_queries(query_dtype, element_size, want):
     assert tuning.fp16_dots(query_dtype, element_size) is want
+
+
+@pytest.mark.parametrize("block_s,head_dim,want", [
+    (2, 128, 128),    # few splits: a whole row in one program
+    (32, 128, 128),   # 4096 values
+    (64, 128, 64),    # the most splits: two programs a row
+    (64, 256, 64),
+    (16, 64, 64),
+])
+def test_combine_columns_bound_the_values_a_program_loads(block_s, head_dim, want):
+    block_d = tuning.decode_combine_block_d(block_s, head_dim)
+    assert block_d == want and head_dim % block_d == 0
+    assert block_s * block_d <= tuning.DECODE_COMBINE_VALUES

@@ -129,44 +129,45 @@ def _finalize_and_store(acc, m_i, l_i, row_ok, tok, head, row, sinks_ptr, out_pt
 def _decode_combine_kernel(
     acc_ptr, ml_ptr, sinks_ptr, out_ptr, lse_ptr,
     bmm2_scale, num_heads, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Merge the ``NUM_SPLITS`` partials of one (token, head) row; add sink, scale, store.
+    """Program ``(row, c)``: merge columns ``[c * BLOCK_D, (c + 1) * BLOCK_D)`` of the
+    ``NUM_SPLITS`` partials of one (token, head) row; add the sink, scale, store (and, for
+    ``c == 0``, the LSE).
 
-    The row's maximum over all splits comes first, from one load of its ``m`` values,
-    so the partial accumulators then load ``SPLIT_CHUNK`` splits at a time with no
-    load waiting on the one before (a split-by-split online merge is a chain of
-    dependent loads as long as the split count).
+    Every load is issued at once, the splits' maxima and sums beside their partial
+    columns, so a merge costs one round trip to memory: loading the partials only once
+    the maximum was known took two (and a split-by-split online merge a chain of dependent
+    loads as long as the split count).
     """
     row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     tok = row // num_heads
     head = row % num_heads
-    one = tl.arange(0, 1)
     s = tl.arange(0, BLOCK_S)
     s_ok = s < NUM_SPLITS
-    base = row * NUM_SPLITS
-    m_s = tl.load(ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
+    slot = row * NUM_SPLITS + s
+    cols = c * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_s = tl.load(ml_ptr + slot * 2, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(ml_ptr + slot * 2 + 1, mask=s_ok, other=0.0)
+    part = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + cols[None, :], mask=s_ok[:, None],
+                   other=0.0)
     m = tl.max(m_s, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l_i = tl.sum(l_s * tl.math.exp2(m_s - m_safe), axis=0)
-    cols = tl.arange(0, HEAD_DIM)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for c in range(tl.cdiv(NUM_SPLITS, SPLIT_CHUNK)):
-        sc = c * SPLIT_CHUNK + tl.arange(0, SPLIT_CHUNK)
-        ok = sc < NUM_SPLITS
-        w = tl.math.exp2(tl.load(ml_ptr + (base + sc) * 2, mask=ok, other=float("-inf")) - m_safe)
-        part = tl.load(acc_ptr + (base + sc)[:, None] * HEAD_DIM + cols[None, :], mask=ok[:, None],
-                       other=0.0)
-        acc += tl.sum(part * w[:, None], axis=0)
-    # As a one-row tile, so that the decode kernel's finalisation serves both.
+    w = tl.math.exp2(m_s - tl.where(m == float("-inf"), 0.0, m))
+    # As a one-row tile, for the decode kernel's finalisation.
+    one = tl.arange(0, 1)
     zero = tl.zeros([1], tl.float32)
-    _finalize_and_store(acc[None, :], zero + m, zero + l_i, one == 0, tok + one, head + one,
-                        row + one, sinks_ptr, out_ptr, lse_ptr,
-                        bmm2_scale, stride_ot, stride_oh, HEAD_DIM, HAS_SINKS, HAS_LSE, OUT_BF16,
-                        INTERPRET)
+    sink_log2 = 0.0
+    if HAS_SINKS:
+        sink_log2 = tl.load(sinks_ptr + head + one).to(tl.float32) * LOG2E
+    out, lse = finalize_rows(tl.sum(part * w[:, None], axis=0)[None, :], zero + m,
+                             zero + tl.sum(l_s * w, axis=0), sink_log2, bmm2_scale, HAS_SINKS)
+    store_out(out_ptr + tok * stride_ot + head * stride_oh + cols[None, :], out, None, OUT_BF16,
+              INTERPRET)
+    if HAS_LSE:
+        tl.store(lse_ptr + row + one, lse, mask=(one == 0) & (c == 0))
 
 
 def block_rows(group: int, q_len_per_req: int) -> int:
@@ -234,9 +235,8 @@ def decode_triton(p: PagedAttention) -> None:
     if finalize:
         return
     block_s = triton.next_power_of_2(splits)
-    _decode_combine_kernel[(num_tokens * num_heads,)](
+    block_d = tuning.decode_combine_block_d(block_s, head_dim)
+    _decode_combine_kernel[(num_tokens * num_heads, head_dim // block_d)](
         acc, ml, sinks, p.out, lse, p.bmm2_scale, num_heads, p.out.stride(0), p.out.stride(1),
-        NUM_SPLITS=splits, BLOCK_S=block_s,
-        SPLIT_CHUNK=min(block_s, tuning.decode_combine_split_chunk(head_dim)),
-        HEAD_DIM=head_dim, **flags,
+        NUM_SPLITS=splits, BLOCK_S=block_s, BLOCK_D=block_d, HEAD_DIM=head_dim, **flags,
     )

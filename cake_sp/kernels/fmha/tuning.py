@@ -28,6 +28,8 @@ DECODE_WIDE_MIN_BATCH = 16
 DECODE_WIDE_FP8_MIN_KEYS = 4096
 # Split-KV (decode_num_splits).
 DECODE_MAX_SPLITS = 64
+# Partial values one combine program loads at once (decode_combine_block_d).
+DECODE_COMBINE_VALUES = 4096
 # A split count is good enough when its last wave is at least this fraction as full as the
 # best count's: the fewest splits within 5 % of the best fill.  (FlashAttention-2 takes 85 %,
 # which here chose 7 splits of 32 programs over 8 and took 1.12-1.14x the time.)
@@ -145,9 +147,11 @@ def fp16_dots(query_dtype: torch.dtype, kv_element_size: int) -> bool:
     return kv_element_size == 1 and query_dtype == torch.bfloat16
 
 
-def decode_combine_split_chunk(head_dim: int) -> int:
-    """Partials the combine kernel loads at once: 4096 fp32 values, 32 a thread of 4 warps."""
-    return max(1, 4096 // head_dim)
+def decode_combine_block_d(block_s: int, head_dim: int) -> int:
+    """Columns of one combine program (a power of two dividing ``head_dim``): its
+    ``block_s`` partials of them at once are at most ``DECODE_COMBINE_VALUES`` fp32 values,
+    32 a thread of 4 warps (``DECODE_MAX_SPLITS`` <= 64 leaves at least 64 columns)."""
+    return max(1, min(head_dim, DECODE_COMBINE_VALUES // block_s))
 
 
 def decode_block_n(kv_element_size: int, head_dim: int) -> int:
