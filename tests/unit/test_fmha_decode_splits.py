@@ -7,14 +7,14 @@ import torch
 
 from cake_sp.kernels.fmha import tuning
 
-SMS = 132  # an H200: short splits fill 2 x 132 = 264 slots, long bf16 ones 4 x 132 = 528
+SMS = 132  # an H200: short splits fill 3 x 132 = 396 slots, long bf16 ones 4 x 132 = 528
 
 
 @pytest.mark.parametrize("programs,tiles,want", [
     (8, 16, 16),      # B = 1, 8 KV heads, 1k keys: one tile a split, never more splits than tiles
-    (8, 128, 32),     # 8k keys: 256 programs of 4 tiles fill the 264 slots of 2 an SM
+    (8, 128, 43),     # 8k keys: 344 programs of 3 tiles fill the 396 slots of 3 an SM
     (8, 512, 64),     # 32k keys: 512 programs of 8 tiles fill the 528 slots of 4 an SM
-    (32, 16, 8),      # B = 4, 1k keys: 256 programs of 2 tiles, 2 an SM
+    (32, 16, 8),      # B = 4, 1k keys: 256 programs of 2 tiles (16 would be 512 of 1)
     (32, 128, 16),    # B = 4, 8k keys: 512 programs of 8 tiles, 4 an SM
     (128, 128, 4),    # B = 16: 512 programs of 32 tiles, not 256 in a half-full wave
     (422, 512, 5),    # under 80 % of the long splits' wave
@@ -26,8 +26,8 @@ def test_larger_of_the_short_and_long_wave_fills(programs, tiles, want):
 
 
 @pytest.mark.parametrize("programs,tiles,want", [
-    (8, 256, 32),     # B = 1, 32k keys: FP8 splits shorter than 16 tiles stay at 2 an SM
-    (32, 64, 8),      # B = 4, 8k keys: 8 splits, not the 7 an 85 % margin would take
+    (8, 256, 43),     # B = 1, 32k keys: FP8 splits shorter than 16 tiles stay at 3 an SM
+    (32, 64, 11),     # B = 4, 8k keys: 352 programs of 6 tiles in the 396 short slots
     (128, 64, 3),     # B = 16, 8k keys: 384 programs of 22 tiles, 3 an SM
 ])
 def test_fp8_long_splits_are_16_tiles(programs, tiles, want):

@@ -36,8 +36,10 @@ DECODE_COMBINE_VALUES = 4096
 DECODE_WAVE_FILL_MARGIN = 0.95
 # A grid this full of (request, KV head) programs already runs unsplit.
 DECODE_FULL_GRID = 0.8
-# Short splits fill waves of this many programs an SM (latency: many short loops in flight).
-DECODE_SHORT_SPLIT_PROGRAMS_PER_SM = 2
+# Short splits fill waves of this many programs an SM (latency: many short loops in flight):
+# 3 rather than 2 took B = 1 from 0.95 to 0.96x cuDNN's speed (geometric mean, bf16, 1k-32k
+# keys, GQA 32/8 and 64/8 on an H200) and FP8 from 1.12 to 1.15x (docs/results.md).
+DECODE_SHORT_SPLIT_PROGRAMS_PER_SM = 3
 
 
 def decode_programs_per_sm(kv_element_size: int) -> int:
