@@ -156,7 +156,7 @@ def _decode_combine_kernel(
                    other=0.0)
     m = tl.max(m_s, axis=0)
     w = tl.math.exp2(m_s - tl.where(m == float("-inf"), 0.0, m))
-    # As a one-row tile, for the decode kernel's finalisation.
+    # As a one-row tile, the shape finalize_rows takes.
     one = tl.arange(0, 1)
     zero = tl.zeros([1], tl.float32)
     sink_log2 = 0.0
