@@ -50,9 +50,11 @@ def decode_programs_per_sm(kv_element_size: int) -> int:
 
 def decode_long_split_tiles(kv_element_size: int) -> int:
     """Fewest key tiles of a split that fills every program slot of an SM: bf16 4 tiles (256
-    keys), FP8 16 (2,048 keys).  The FP8 kernel converts each key to bf16 and runs at half
-    the bf16 one's bandwidth; FP8 splits of 4 tiles filling 3 programs an SM took 1.08-1.16x
-    the time of these at B = 1 and 4 with 8k-32k keys on an H200 (docs/results.md)."""
+    keys), FP8 16 (2,048 keys).  The FP8 kernel is bound by its arithmetic (each key
+    converted), not its bytes: while it converted to bf16, FP8 splits of 4 tiles filling 3
+    programs an SM took 1.08-1.16x the time of these at B = 1 and 4 with 8k-32k keys on an
+    H200; with fp16 dots (``fp16_dots``) splits of 4 or 8 tiles were within 1 % of 16
+    (docs/results.md)."""
     return 16 if kv_element_size == 1 else 4
 
 
@@ -159,7 +161,8 @@ def decode_combine_block_d(block_s: int, head_dim: int) -> int:
 def decode_block_n(kv_element_size: int, head_dim: int) -> int:
     """Keys per decode tile.  FP8 KV at D <= 128 reads 128 keys a step: as many
     bytes as 64 bf16 keys, and took 16-38 % less time than 64 on an H200
-    (docs/results/producer_and_fmha_sweeps_h200.md)."""
+    (docs/results/producer_and_fmha_sweeps_h200.md); with fp16 dots 64 keys still took
+    1.04-1.24x the time on 11 of 12 rows (docs/results.md)."""
     if INTERPRET:
         return 16
     return 128 if kv_element_size == 1 and head_dim <= 128 else 64
