@@ -1,4 +1,5 @@
-"""The decode split count: a pure function of the shape and the SM count (host only)."""
+"""Decode launch choices, pure functions of the shape, dtypes and SM count (host only): the
+split count, pipeline stages, register bound, fp16 dots and the combine kernel's columns."""
 
 from __future__ import annotations
 
