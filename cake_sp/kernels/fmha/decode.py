@@ -97,9 +97,9 @@ def _decode_partial_kernel(
 
     row = tok * (num_kv_heads * GROUP) + head
     if FINALIZE:
-        _finalize_and_store(acc, m_i, l_i, row_ok, tok, head, row, sinks_ptr, out_ptr, lse_ptr,
-                            bmm2_scale, stride_ot, stride_oh, HEAD_DIM, HAS_SINKS, HAS_LSE,
-                            OUT_BF16, INTERPRET)
+        _finalize_and_store(acc, m_i, l_i, row_ok, row_ok, tok, head, row, cols, sinks_ptr,
+                            out_ptr, lse_ptr, bmm2_scale, stride_ot, stride_oh, HAS_SINKS,
+                            HAS_LSE, OUT_BF16, INTERPRET)
     else:
         slot = (row * num_splits + split).to(tl.int64)
         tl.store(acc_ptr + slot[:, None] * HEAD_DIM + cols[None, :], acc, mask=row_ok[:, None])
@@ -108,21 +108,20 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def _finalize_and_store(acc, m_i, l_i, row_ok, tok, head, row, sinks_ptr, out_ptr, lse_ptr,
-                        bmm2_scale, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                        HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, OUT_BF16: tl.constexpr,
-                        INTERPRET: tl.constexpr):
-    """Add the sink, normalise and scale rows ``acc [R, D]`` (token ``tok``, head ``head``,
-    LSE index ``row``: int ``[R]``); store ``out`` and (``HAS_LSE``) the LSE."""
+def _finalize_and_store(acc, m_i, l_i, row_ok, lse_ok, tok, head, row, cols, sinks_ptr, out_ptr,
+                        lse_ptr, bmm2_scale, stride_ot, stride_oh, HAS_SINKS: tl.constexpr,
+                        HAS_LSE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """Add the sink, normalise and scale rows ``acc [R, C]`` (token ``tok``, head ``head``,
+    LSE index ``row``: int ``[R]``), columns ``cols`` (int ``[C]``) of ``out``; store those
+    where ``row_ok`` and (``HAS_LSE``) the LSE where ``lse_ok`` (bool ``[R]``)."""
     sink_log2 = 0.0
     if HAS_SINKS:
         sink_log2 = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
     out, lse = finalize_rows(acc, m_i, l_i, sink_log2, bmm2_scale, HAS_SINKS)
-    cols = tl.arange(0, HEAD_DIM)
     ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
     store_out(ptrs, out, row_ok[:, None], OUT_BF16, INTERPRET)
     if HAS_LSE:
-        tl.store(lse_ptr + row, lse, mask=row_ok)
+        tl.store(lse_ptr + row, lse, mask=lse_ok)
 
 
 @triton.jit
@@ -156,18 +155,15 @@ def _decode_combine_kernel(
                    other=0.0)
     m = tl.max(m_s, axis=0)
     w = tl.math.exp2(m_s - tl.where(m == float("-inf"), 0.0, m))
-    # As a one-row tile, the shape finalize_rows takes.
+    # As a one-row tile, the shape _finalize_and_store takes; the first column program
+    # stores the LSE.
     one = tl.arange(0, 1)
     zero = tl.zeros([1], tl.float32)
-    sink_log2 = 0.0
-    if HAS_SINKS:
-        sink_log2 = tl.load(sinks_ptr + head + one).to(tl.float32) * LOG2E
-    out, lse = finalize_rows(tl.sum(part * w[:, None], axis=0)[None, :], zero + m,
-                             zero + tl.sum(l_s * w, axis=0), sink_log2, bmm2_scale, HAS_SINKS)
-    store_out(out_ptr + tok * stride_ot + head * stride_oh + cols[None, :], out, None, OUT_BF16,
-              INTERPRET)
-    if HAS_LSE:
-        tl.store(lse_ptr + row + one, lse, mask=(one == 0) & (c == 0))
+    _finalize_and_store(tl.sum(part * w[:, None], axis=0)[None, :], zero + m,
+                        zero + tl.sum(l_s * w, axis=0), one == 0, (one == 0) & (c == 0),
+                        tok + one, head + one, row + one, cols, sinks_ptr, out_ptr, lse_ptr,
+                        bmm2_scale, stride_ot, stride_oh, HAS_SINKS, HAS_LSE, OUT_BF16,
+                        INTERPRET)
 
 
 def block_rows(group: int, q_len_per_req: int) -> int:
