@@ -49,7 +49,10 @@ PY=python3
 # PYTEST_ARGS adds pytest options to the unit and kernel stages (say "-n 8" where
 # pytest-xdist is present); shared and sanitizer run serially (their ranks, or the sanitizer,
 # already fill the machine).
-PYTEST_SERIAL=(python3 -m pytest -v -p no:cacheprovider -o addopts="-ra" --tb=short)
+# A test still running after FAULTHANDLER_S seconds (default 120) prints every thread's Python
+# stack to its log, so a GPU wait that never ends names the call it is stuck in.
+PYTEST_SERIAL=(python3 -m pytest -v -p no:cacheprovider -o addopts="-ra" --tb=short
+               -o faulthandler_timeout="${FAULTHANDLER_S:-120}")
 PYTEST=("${PYTEST_SERIAL[@]}" ${PYTEST_ARGS:-})
 
 # One line on a stage's log: pytest's final counts, or for a stage cut before them the tests
