@@ -19,6 +19,14 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import pytest  # noqa: E402
 
+# Under pytest-xdist each worker gets an equal share of the host's cores for torch's CPU
+# threads.  Left at torch's default (every core, in every worker) the fp64 oracles of 8
+# workers on a 16-core host ran 128 threads, and a reference that takes 5 s alone had not
+# finished after 110 s, which looked like a GPU kernel that never returns.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 @pytest.fixture
 def device() -> torch.device:

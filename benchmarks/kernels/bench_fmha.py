@@ -4,8 +4,8 @@ Decode rows: B x KV length x Hq/Hkv, D = 128, bf16 or fp8 (e4m3) KV; reported
 as achieved GB/s of KV read (the bytes the paged kernel must read), next to
 SDPA reading the same KV in bf16 from a contiguous ``[B, Hkv, L, D]`` tensor,
 and as a fraction of the measured HBM read bandwidth (``_bandwidth.py``).  Context rows: one
-causal sequence of T tokens, GQA 32/8, D = 128, bf16; reported in TFLOP/s
-(causal FLOPs ``2 * 2 * T^2 / 2 * Hq * D``).
+causal sequence of T tokens, GQA 32/8, D = 128, bf16 or fp8 KV (SDPA on the same keys in
+bf16); reported in TFLOP/s (causal FLOPs ``2 * 2 * T^2 / 2 * Hq * D``).
 
 Each arm's call is captured once in a CUDA graph; times are CUDA-event medians
 over ``--reps`` replays after ``--warmup``, with a 256 MiB L2 flush between
@@ -130,19 +130,23 @@ def bench_decode(b, length, hq, hkv, fp8, page_size, hbm, timing) -> dict:
                 time_ratio=sdpa_ms / ours)
 
 
-def bench_context(tokens, page_size, timing, hq=32, hkv=8) -> dict:
+def bench_context(tokens, page_size, timing, fp8=False, hq=32, hkv=8) -> dict:
     q = torch.randn(tokens, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    cache, table, k, v = _paged_problem(1, hkv, tokens, page_size, torch.bfloat16)
+    kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    cache, table, k, v = _paged_problem(1, hkv, tokens, page_size, kv_dtype)
     lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
     cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
-    ws = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    # FlashInfer's customary 128 MiB: an FP8 cache's bf16 copy (fp8_staging) takes 32 MiB a KV
+    # head at 64k tokens, so there it goes in chunks of 4 heads.
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
     out = torch.empty_like(q)
     ours = _time_ms(lambda: cake_sp.batch_context_with_kv_cache(
         q, cache, ws, table, lens, tokens, tokens, HEAD_DIM ** -0.5, 1.0, 1, cu, cu, out=out),
         timing)
     sdpa_ms, backend = sdpa_best_ms(q.transpose(0, 1)[None].contiguous(), k, v, True, timing)
     flops = 4 * tokens * tokens / 2 * hq * HEAD_DIM
-    return dict(op="context", tokens=tokens, heads=f"{hq}/{hkv}", ours_ms=ours,
+    return dict(op="context", tokens=tokens, heads=f"{hq}/{hkv}", kv="fp8" if fp8 else "bf16",
+                ours_ms=ours,
                 sdpa_ms=sdpa_ms, sdpa_backend=backend, ours_tflops=flops / ours / 1e9,
                 sdpa_tflops=flops / sdpa_ms / 1e9, time_ratio=sdpa_ms / ours)
 
@@ -161,7 +165,7 @@ def markdown(rows: list[dict], hbm: float) -> str:
             shape = f"T={r['tokens']} causal H={r['heads']}"
             ours = f"{r['ours_tflops']:.0f} TFLOP/s"
             sdpa = f"{r['sdpa_tflops']:.0f} TFLOP/s ({r['sdpa_backend']})"
-            kv = "bf16"
+            kv = r["kv"]
         lines.append(f"| {r['op']} | {shape} | {kv} | {ours} | {sdpa} | {r['time_ratio']:.2f}x |")
     return "\n".join(lines)
 
@@ -197,9 +201,10 @@ def main() -> None:
                                                  timing))
                         print(rows[-1], flush=True)
     if "context" in ops:
-        for tokens in ((4096,) if args.quick else CONTEXT_TOKENS):
-            rows.append(bench_context(tokens, args.page_size, timing))
-            print(rows[-1], flush=True)
+        for fp8 in (False, True):
+            for tokens in ((4096,) if args.quick else CONTEXT_TOKENS):
+                rows.append(bench_context(tokens, args.page_size, timing, fp8))
+                print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "hbm_read_gbs": hbm,

@@ -135,7 +135,10 @@ def poison_unowned_slots(case: FmhaCase, kw: dict) -> None:
         for b, kv_len in enumerate(case.kv_lens):
             for n in range(kv_len):
                 owned[int(table[b, n // case.page_size]), n % case.page_size] = True
-        by_slot[~owned] = float("nan")
+        if host.dtype == torch.float8_e4m3fn:  # no masked fill on FP8: its NaN by bits
+            by_slot.view(torch.uint8)[~owned] = 0x7F
+        else:
+            by_slot[~owned] = float("nan")
         cache.copy_(host)
 
 

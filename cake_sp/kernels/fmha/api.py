@@ -355,7 +355,10 @@ def batch_context_with_kv_cache(
     query : Tensor ``[sum q_len_b, Hq, D]`` bf16/fp16
         Request ``b`` owns tokens ``[cum_seq_lens_q[b], cum_seq_lens_q[b + 1])``.
     kv_cache, workspace_buffer, block_tables, kv_layout, uses_shared_paged_kv_idx
-        As in :func:`batch_decode_with_kv_cache`; the workspace is not used.
+        As in :func:`batch_decode_with_kv_cache`.  The workspace is scratch: over an FP8
+        cache on sm_90 it holds bf16 copies of the KV heads, as many at a time as fit
+        (``2 * B * ceil(max_kv_len / 128) * 128 * D * 2`` bytes a head; 32 MiB a head at
+        64k keys and D = 128), for the fast kernel; a smaller one costs speed only.
     seq_lens : Tensor ``[B]`` int32/int64
         KV length per request, the request's query tokens included (``>= q_len_b``).
     max_q_len, max_kv_len : int

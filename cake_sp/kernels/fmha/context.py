@@ -9,7 +9,9 @@ the request) apply masks.  When a key tile lies inside one page and the cache
 strides allow, K and V tiles arrive by TMA (a 2-D descriptor over the
 cache's rows); otherwise by pointer loads.  On sm_90 the calls that
 ``context_ws.serves`` (bf16, D 64/128, no window, sinks or LSE) take the
-warp-specialised Gluon kernel of ``context_ws.py`` instead, same semantics.
+warp-specialised Gluon kernel of ``context_ws.py`` instead, same semantics, and so
+do those calls over an FP8 cache through a bf16 copy of it in the workspace
+(``fp8_staging.py``).
 
 Pseudo-code it equals (query token ``i`` of request ``b``, head ``h``,
 ``q_pos = kv_len_b - q_len_b + i``: the last query aligns with the last key)::
@@ -27,7 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cake_sp.kernels._config import INTERPRET, wgmma_supported
-from cake_sp.kernels.fmha import tuning
+from cake_sp.kernels.fmha import fp8_staging, tuning
 from cake_sp.kernels.fmha.manifest import ensure_sources_verified
 from cake_sp.kernels.fmha.problem import PagedAttention, cache_rows
 from cake_sp.kernels.fmha.tiles import (
@@ -157,6 +159,16 @@ def context_triton(p: PagedAttention) -> None:
     ensure_sources_verified()
     if _warp_specialized_fits(p):
         context_ws.context_ws(p)
+        return
+    # An FP8 cache whose KV heads the workspace holds as bf16, all at once or in chunks: the
+    # warp-specialised kernel on each chunk's copy.
+    chunks = fp8_staging.staged_problems(p)
+    if chunks and _warp_specialized_fits(chunks[0][1]) and tuning.context_fp8_staged(
+            p.max_q_len, p.batch, chunks[0][1].query.shape[1], len(chunks),
+            tuning.sm_count(p.query.device)):
+        for head0, chunk in chunks:
+            fp8_staging.stage(p, head0, chunk)
+            context_ws.context_ws(chunk)
         return
     _, num_heads, head_dim = p.query.shape
     block_n = tuning.context_block_n(head_dim, p.page_size)

@@ -70,19 +70,29 @@ def _mma_layout(n, warps):
 
 
 @gluon.jit
-def _load_tile(desc, bufs, ready, empty, table_ptr, i, j0, kv_len, head_row, page_rows,
-               PAGE: gl.constexpr, BOX: gl.constexpr, BLOCK_N: gl.constexpr,
+def _tile_rows(table_ptr, j0, kv_len, head_row, page_rows, PAGE: gl.constexpr,
+               BOX: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Descriptor rows of the ``BLOCK_N // BOX`` copies of keys ``[j0, j0 + BLOCK_N)`` of one
+    KV head, one per page (int32 ``[copies]``).  A copy wholly past ``kv_len`` reads the box of
+    the request's last key again (a later page's table entry may not exist); those keys are
+    masked."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    c = gl.arange(0, BLOCK_N // BOX, layout=layout)
+    key = gl.minimum(j0 + c * BOX, (kv_len - 1) // BOX * BOX)
+    page = gl.load(table_ptr + key // PAGE).to(gl.int32)
+    return page * page_rows + head_row + key % PAGE
+
+
+@gluon.jit
+def _load_tile(desc, bufs, ready, empty, rows, i, BOX: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr):
-    """Keys ``[j0, j0 + BLOCK_N)`` of one KV head into ring slot ``i % STAGES``, one copy of
-    ``BOX`` rows per page.  A copy wholly past ``kv_len`` reads the box of the request's last
-    key again (a later page's table entry may not exist); those keys are masked."""
+    """One tile's copies (descriptor ``rows``, ``_tile_rows``) into ring slot ``i % STAGES``."""
     s = i % STAGES
     mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier: phase "-1" done
     mbarrier.expect(ready.index(s), (BLOCK_N // BOX) * desc.block_type.nbytes)
+    copies = gl.arange(0, BLOCK_N // BOX, layout=rows.type.layout)
     for c in gl.static_range(BLOCK_N // BOX):
-        key = gl.minimum(j0 + c * BOX, (kv_len - 1) // BOX * BOX)
-        page = gl.load(table_ptr + key // PAGE).to(gl.int32)
-        row = page * page_rows + head_row + key % PAGE
+        row = gl.sum(gl.where(copies == c, rows, 0), axis=0)
         tma.async_copy_global_to_shared(desc, [row, 0], ready.index(s),
                                         bufs.index(s).slice(c * BOX, BOX))
 
@@ -92,15 +102,21 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_em
             v_empty, k_table, v_table, q_row, q_col, kv_len, k_head_row, v_head_row,
             k_page_rows, v_page_rows, n_tiles, PAGE: gl.constexpr, BOX: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Loader partition: Q once, then every tile's K and V."""
+    """Loader partition: Q once, then every tile's K and V.  The page table entries of tile
+    ``i + 1`` are loaded before tile ``i``'s slots are waited for, so their latency hides
+    under the wait."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+    k_rows = _tile_rows(k_table, 0, kv_len, k_head_row, k_page_rows, PAGE, BOX, BLOCK_N)
+    v_rows = _tile_rows(v_table, 0, kv_len, v_head_row, v_page_rows, PAGE, BOX, BLOCK_N)
     for i in range(n_tiles):
-        j0 = i * BLOCK_N
-        _load_tile(k_desc, k_bufs, k_ready, k_empty, k_table, i, j0, kv_len, k_head_row,
-                   k_page_rows, PAGE, BOX, BLOCK_N, STAGES)
-        _load_tile(v_desc, v_bufs, v_ready, v_empty, v_table, i, j0, kv_len, v_head_row,
-                   v_page_rows, PAGE, BOX, BLOCK_N, STAGES)
+        j1 = (i + 1) * BLOCK_N
+        k_next = _tile_rows(k_table, j1, kv_len, k_head_row, k_page_rows, PAGE, BOX, BLOCK_N)
+        v_next = _tile_rows(v_table, j1, kv_len, v_head_row, v_page_rows, PAGE, BOX, BLOCK_N)
+        _load_tile(k_desc, k_bufs, k_ready, k_empty, k_rows, i, BOX, BLOCK_N, STAGES)
+        _load_tile(v_desc, v_bufs, v_ready, v_empty, v_rows, i, BOX, BLOCK_N, STAGES)
+        k_rows = k_next
+        v_rows = v_next
 
 
 @gluon.jit
@@ -110,7 +126,7 @@ def _softmax_step(qk, m_i, l_i, j0, keys, q_pos, kv_len, first_masked, scale_log
     softmax, whose maxima ``m`` are in scaled (log2) units.  ``scale_log2 > 0`` (``serves``),
     so the scaled row maximum is the scaled maximum of the raw scores, and each probability
     takes one fused multiply-add instead of a multiply before the maximum and a subtraction
-    after it (64 fewer instructions a thread and tile; 1.00-1.07x the speed on an H200)."""
+    after it."""
     if j0 + BLOCK_N > first_masked:
         key = j0 + keys
         ok = key[None, :] < kv_len
@@ -333,16 +349,23 @@ def box_rows(page_size: int) -> int:
     return min(page_size, BLOCK_N)
 
 
+def _tma_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` ``[T, H, D]`` bf16 is a 2-D ``[T, H * D]`` array TMA reads: heads and
+    values packed, 16-byte aligned rows and base (a slice of heads qualifies)."""
+    return (x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0)
+
+
 def serves(p: PagedAttention) -> bool:
     """Whether this kernel takes ``p`` (a context call): bf16 query, KV and output, D 64 or
-    128, a non-empty contiguous 16-byte aligned query (read by TMA), no window, sinks or LSE,
-    a positive ``bmm1_scale`` (``_softmax_step``), and pages that hold whole tiles or split
-    one evenly into copies of at least ``MIN_BOX`` rows.  The caller also checks the device
-    and that TMA can read the caches."""
+    128, a non-empty query whose token rows TMA reads (``_tma_rows``), no window, sinks or
+    LSE, a positive ``bmm1_scale`` (``_softmax_step``), and pages that hold whole tiles or
+    split one evenly into copies of at least ``MIN_BOX`` rows.  The caller also checks the
+    device and that TMA can read the caches."""
     page = p.page_size
     return (p.query.dtype == torch.bfloat16 and p.k_cache.dtype == torch.bfloat16
             and p.out.dtype == torch.bfloat16 and p.query.shape[2] in HEAD_DIMS
-            and p.query.shape[0] > 0 and p.query.is_contiguous() and p.query.data_ptr() % 16 == 0
+            and p.query.shape[0] > 0 and _tma_rows(p.query)
             and p.window_left < 0 and p.sinks is None and p.lse is None and p.bmm1_scale > 0
             and (page % BLOCK_N == 0 or (BLOCK_N % page == 0 and page >= MIN_BOX)))
 
@@ -362,9 +385,8 @@ def context_ws(p: PagedAttention) -> None:
     """Run ``p`` (a context call that :func:`serves` accepts, TMA-readable caches)."""
     t, num_heads, d = p.query.shape
     box = box_rows(p.page_size)
-    q2 = p.query.view(t, num_heads * d)
-    q_desc = TensorDescriptor(q2, [t, num_heads * d], [num_heads * d, 1], [BLOCK_M, d],
-                              _shared_layout(BLOCK_M, d))
+    q_desc = TensorDescriptor(p.query.flatten(1), [t, num_heads * d], [p.query.stride(0), 1],
+                              [BLOCK_M, d], _shared_layout(BLOCK_M, d))
     k_desc, k_head_rows, k_page_rows = _rows_descriptor(p.k_cache, box)
     v_desc, v_head_rows, v_page_rows = _rows_descriptor(p.v_cache, box)
     grid, qblock_major = launch_grid(p.batch * num_heads, p.max_q_len)

@@ -185,6 +185,26 @@ CONTEXT_WARP_SPECIALIZED = True
 CONTEXT_QBLOCK_MAJOR_MIN_Q_LEN = 16384
 
 
+# FP8 caches reach the warp-specialised kernel through a bf16 copy in the workspace
+# (fp8_staging.py) from this many query tokens a request (max_q_len): the copy moves every
+# key the requests own, whatever their query count.  On an H200 (GQA 32/8, page 64) the
+# staged call took 0.33-0.78x the tl.dot kernel's time at 64-1024 query tokens (B = 1 with
+# 4k and 32k keys, B = 8 with 4k); fewer were not measured.
+CONTEXT_FP8_STAGE_MIN_Q_LEN = 64
+
+
+def context_fp8_staged(max_q_len: int, batch: int, chunk_q_heads: int, chunks: int,
+                       num_sms: int) -> bool:
+    """Whether a context call over an FP8 cache takes the staged route: at least
+    ``CONTEXT_FP8_STAGE_MIN_Q_LEN`` query tokens, and when the KV heads go in ``chunks``
+    (one after another, ``chunk_q_heads`` query heads each), a chunk's programs (``batch``
+    requests of up to ``max_q_len`` tokens in 128-row blocks) fill every SM once.  At 4k
+    tokens on an H200 (GQA 32/8), chunks of one KV head (128 programs) took 1.13x the tl.dot
+    kernel's time, chunks of two (256) 0.64x; every chunk size took 0.57x at 16k and 64k."""
+    programs = batch * chunk_q_heads * -(-max_q_len // 128)
+    return max_q_len >= CONTEXT_FP8_STAGE_MIN_Q_LEN and (chunks == 1 or programs >= num_sms)
+
+
 def context_tma_available(device: torch.device) -> bool:
     """Whether the context kernel may read K/V tiles by TMA on ``device``."""
     if INTERPRET:
