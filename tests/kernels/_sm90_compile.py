@@ -7,11 +7,13 @@ and runs nothing::
 
     TRITON_INTERPRET=0 python tests/kernels/_sm90_compile.py producer '{"world": 4, ...}'
     TRITON_INTERPRET=0 python tests/kernels/_sm90_compile.py fmha_context '{"head_dim": 64}'
+    TRITON_INTERPRET=0 python tests/kernels/_sm90_compile.py fmha_decode '{"page_size": 16}'
 
 It prints one JSON line: the kernel's shared memory in bytes, and ptxas's register count and
 spill bytes for the PTX.  The configuration's keys are those of the builder's defaults
 (``producer``: the warp-specialised producer; ``fmha_context``: the warp-specialised paged
-context kernel, an ``FmhaCase``'s fields).
+context kernel, ``fmha_decode``: the warp-specialised decode kernel, an ``FmhaCase``'s
+fields).
 """
 
 from __future__ import annotations
@@ -136,7 +138,25 @@ def build_fmha_context(config: dict) -> dict:
     return kernel.report()
 
 
-BUILDERS = {"producer": build_producer, "fmha_context": build_fmha_context}
+def build_fmha_decode(config: dict) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _fmha_cases import FmhaCase, call, make_call
+
+    from cake_sp.kernels.fmha import api, decode, decode_ws
+
+    case = FmhaCase(**{**dict(op="decode", head_dim=128, num_kv_heads=8, group=4, page_size=64,
+                              kv_lens=(8192,) * 16, q_lens=(1,) * 16), **config})
+    api._run = lambda problem, cell, return_lse: problem
+    problem = call(case, make_call(case, torch.device("cpu")))
+    assert decode_ws.serves(problem), f"decode_ws does not serve {case}"
+    kernel = _Warmup(decode_ws.decode_ws_kernel)
+    decode_ws.decode_ws_kernel = kernel
+    decode_ws.decode_ws(problem, decode.block_rows(case.group, max(case.q_lens)))
+    return kernel.report()
+
+
+BUILDERS = {"producer": build_producer, "fmha_context": build_fmha_context,
+            "fmha_decode": build_fmha_decode}
 
 if __name__ == "__main__":
     driver.set_active(_StubDriver())

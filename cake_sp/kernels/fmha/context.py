@@ -131,7 +131,7 @@ def _kv_source(cache: torch.Tensor, block_n: int, use_tma: bool) -> tuple:
     return desc, head_rows, page_rows
 
 
-def _tma_fits(p: PagedAttention, block_n: int) -> bool:
+def tma_fits(p: PagedAttention, block_n: int) -> bool:
     """Whether both caches can be read by TMA in ``block_n``-key tiles: tiles inside one
     page, pages and heads whole numbers of slot rows, 16-byte aligned rows and bases,
     and row indices that fit the descriptor's int32 coordinates."""
@@ -151,7 +151,7 @@ def _warp_specialized_fits(p: PagedAttention) -> bool:
     """Whether ``p`` takes ``context_ws``: an sm_90 GPU, a call it serves, TMA-readable caches."""
     return (context_ws is not None and tuning.CONTEXT_WARP_SPECIALIZED and not INTERPRET
             and p.query.device.type == "cuda" and wgmma_supported(p.query.device.index)
-            and context_ws.serves(p) and _tma_fits(p, context_ws.box_rows(p.page_size)))
+            and context_ws.serves(p) and tma_fits(p, context_ws.box_rows(p.page_size)))
 
 
 def context_triton(p: PagedAttention) -> None:
@@ -172,7 +172,7 @@ def context_triton(p: PagedAttention) -> None:
         return
     _, num_heads, head_dim = p.query.shape
     block_n = tuning.context_block_n(head_dim, p.page_size)
-    use_tma = _tma_fits(p, block_n)
+    use_tma = tma_fits(p, block_n)
     block_m, num_warps, num_stages = tuning.context_launch(head_dim, block_n, use_tma)
     k_src, k_head_offset, k_page_rows = _kv_source(p.k_cache, block_n, use_tma)
     v_src, v_head_offset, v_page_rows = _kv_source(p.v_cache, block_n, use_tma)

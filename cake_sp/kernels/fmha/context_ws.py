@@ -336,7 +336,7 @@ def _shared_layout(rows: int, cols: int):
 def _rows_descriptor(cache: torch.Tensor, box: int) -> tuple[TensorDescriptor, int, int]:
     """``(descriptor, head_rows, page_rows)``: a 2-D descriptor over ``cache``'s
     (``[pages, Hkv, page_size, D]``) rows of ``D`` values, ``box``-row boxes, and where a
-    page and a KV head start in it (``context._tma_fits`` has checked the strides)."""
+    page and a KV head start in it (``context.tma_fits`` has checked the strides)."""
     rows, head_rows, page_rows = cache_rows(cache)
     d = cache.shape[3]
     desc = TensorDescriptor(cache, [rows, d], [cache.stride(2), 1], [box, d],

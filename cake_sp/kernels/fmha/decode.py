@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cake_sp.kernels._config import INTERPRET
+from cake_sp.kernels._config import INTERPRET, wgmma_supported
 from cake_sp.kernels.fmha import tuning
+from cake_sp.kernels.fmha.context import tma_fits
 from cake_sp.kernels.fmha.manifest import ensure_sources_verified
 from cake_sp.kernels.fmha.problem import PagedAttention
 from cake_sp.kernels.fmha.tiles import (
@@ -36,6 +37,11 @@ from cake_sp.kernels.fmha.tiles import (
     query_operand,
     store_out,
 )
+
+try:  # Gluon's Hopper API as of Triton 3.6; without it every call takes the Triton kernel
+    from cake_sp.kernels.fmha import decode_ws
+except ImportError:
+    decode_ws = None
 
 
 @triton.jit
@@ -175,10 +181,13 @@ def split_plan(p: PagedAttention) -> tuple[int, int, int]:
     """``(num_splits, chunk_len, block_n)`` of decode call ``p``: keys per split a multiple
     of the key tile ``block_n`` (``tuning.decode_num_splits``).
 
-    Host values only, so the plan of a captured call never changes on replay.
+    Host values only, so the plan of a captured call never changes on replay.  A call that
+    takes ``decode_ws`` is one split.
     """
     block_n = tuning.decode_block_n(p.k_cache.element_size(), p.query.shape[2])
     tiles = max(1, math.ceil(p.max_kv_len / block_n))
+    if _warp_specialized_fits(p):
+        return 1, tiles * block_n, block_n
     splits = tuning.decode_num_splits(p.batch * p.num_kv_heads, tiles, p.max_kv_len,
                                       p.k_cache.element_size(), tuning.sm_count(p.query.device))
     chunk = math.ceil(tiles / splits) * block_n
@@ -200,7 +209,6 @@ def decode_triton(p: PagedAttention) -> None:
     """Run ``p`` (a decode call, ``p.cu_q is None``) on the split-KV Triton kernels."""
     ensure_sources_verified()
     num_tokens, num_heads, head_dim = p.query.shape
-    hkv, group, q_len = p.num_kv_heads, p.group, p.q_len_per_req
     splits, chunk, block_n = split_plan(p)
     n_acc = num_tokens * num_heads * splits * head_dim
     scratch = p.workspace[: _partials_bytes(p, splits)].view(torch.float32)
@@ -209,6 +217,36 @@ def decode_triton(p: PagedAttention) -> None:
     spare = p.out
     sinks = p.sinks if p.sinks is not None else spare
     lse = p.lse if p.lse is not None else spare
+    if _warp_specialized_fits(p):
+        decode_ws.decode_ws(p, block_rows(p.group, p.q_len_per_req))
+        return
+    _decode_partial(p, splits, chunk, block_n, acc, ml, spare, sinks, lse)
+    if splits == 1:
+        return
+    flags = dict(HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None,
+                 OUT_BF16=p.out.dtype == torch.bfloat16, INTERPRET=INTERPRET)
+    block_s = triton.next_power_of_2(splits)
+    block_d = tuning.decode_combine_block_d(block_s, head_dim)
+    _decode_combine_kernel[(num_tokens * num_heads, head_dim // block_d)](
+        acc, ml, sinks, p.out, lse, p.bmm2_scale, num_heads, p.out.stride(0), p.out.stride(1),
+        NUM_SPLITS=splits, BLOCK_S=block_s, BLOCK_D=block_d, HEAD_DIM=head_dim, **flags,
+    )
+
+
+def _warp_specialized_fits(p: PagedAttention) -> bool:
+    """Whether ``p`` takes ``decode_ws`` (one split): an sm_90 GPU, a grid it fills
+    (``tuning.decode_ws_takes``), a call it serves, TMA-readable caches."""
+    return (decode_ws is not None and not INTERPRET and p.query.device.type == "cuda"
+            and tuning.decode_ws_takes(p.batch * p.num_kv_heads, tuning.sm_count(p.query.device))
+            and wgmma_supported(p.query.device.index) and decode_ws.serves(p)
+            and tma_fits(p, decode_ws.box_rows(p.page_size)))
+
+
+def _decode_partial(p: PagedAttention, splits: int, chunk: int, block_n: int, acc, ml, spare,
+                    sinks, lse) -> None:
+    """Launch ``_decode_partial_kernel`` for ``p`` (``decode_triton``'s split plan)."""
+    hkv, group, q_len = p.num_kv_heads, p.group, p.q_len_per_req
+    head_dim = p.query.shape[2]
     finalize = splits == 1
     flags = dict(HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None,
                  OUT_BF16=p.out.dtype == torch.bfloat16, INTERPRET=INTERPRET)
@@ -227,12 +265,4 @@ def decode_triton(p: PagedAttention) -> None:
         num_warps=tuning.DECODE_NUM_WARPS,
         num_stages=tuning.decode_num_stages(p.batch, p.max_kv_len, p.k_cache.element_size()),
         maxnreg=tuning.decode_max_registers(p.k_cache.element_size(), head_dim),
-    )
-    if finalize:
-        return
-    block_s = triton.next_power_of_2(splits)
-    block_d = tuning.decode_combine_block_d(block_s, head_dim)
-    _decode_combine_kernel[(num_tokens * num_heads, head_dim // block_d)](
-        acc, ml, sinks, p.out, lse, p.bmm2_scale, num_heads, p.out.stride(0), p.out.stride(1),
-        NUM_SPLITS=splits, BLOCK_S=block_s, BLOCK_D=block_d, HEAD_DIM=head_dim, **flags,
     )

@@ -37,6 +37,7 @@ KERNEL_SOURCES = (
     "cake_sp/kernels/fmha/decode.py",
     "cake_sp/kernels/fmha/context.py",
     "cake_sp/kernels/fmha/context_ws.py",
+    "cake_sp/kernels/fmha/decode_ws.py",
     "cake_sp/kernels/fmha/fp8_staging.py",
     "cake_sp/kernels/norm_rope.py",
 )

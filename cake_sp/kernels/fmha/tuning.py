@@ -26,6 +26,11 @@ DECODE_NUM_STAGES = 3
 DECODE_WIDE_NUM_STAGES = 2
 DECODE_WIDE_MIN_BATCH = 16
 DECODE_WIDE_FP8_MIN_KEYS = 4096
+# The warp-specialised Gluon kernel (decode_ws.py): its ring of K/V slots and its register
+# bound, which lets 3 programs of 5 warps share an SM (2 stages: 66 KiB of shared memory each).
+DECODE_WARP_SPECIALIZED = True
+DECODE_WS_STAGES = 2
+DECODE_WS_MAX_REGISTERS = 128
 # Split-KV (decode_num_splits).
 DECODE_MAX_SPLITS = 64
 # Partial values one combine program loads at once (decode_combine_block_d).
@@ -126,6 +131,18 @@ def decode_num_splits(programs: int, key_tiles: int, max_kv_len: int, kv_element
         bound = min(key_tiles, DECODE_MAX_SPLITS, -(-max_kv_len // max_keys))
         splits = max(splits, -(-key_tiles // -(-key_tiles // bound)))
     return splits
+
+
+def decode_ws_takes(programs: int, num_sms: int) -> bool:
+    """Whether a decode call of ``programs`` = B x Hkv goes to ``decode_ws``, one program per
+    (request, KV head) and no split: when they fill ``DECODE_FULL_GRID`` of the SMs once.
+
+    On an H200 (bf16, GQA 32/8 and 64/8, pages of 64) it took B = 16-64 with 8k-32k keys
+    from 0.94-0.98x cuDNN's speed (the split Triton kernels) to 0.99-1.00x, and B = 32 with
+    8k keys from 0.72x to 0.99x; 2 ring stages beat 3 and 4 by 1-4 %.  With splits, on fewer
+    programs, it was within a few per cent of the Triton kernels either way (docs/results.md),
+    so those keep them."""
+    return DECODE_WARP_SPECIALIZED and programs >= DECODE_FULL_GRID * num_sms
 
 
 def decode_num_stages(batch: int, max_kv_len: int, kv_element_size: int) -> int:

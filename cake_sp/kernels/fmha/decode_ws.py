@@ -1,0 +1,223 @@
+"""The warp-specialised decode kernel for sm_90a (Gluon): ``decode_triton_v1``'s calls
+whose (request, KV head) programs fill the GPU unsplit (``tuning.decode_ws_takes``) and that
+it serves (:func:`serves`).
+
+``decode.py``'s partial kernel issues its page lookups, its K/V loads and its dots from the
+same warps, and Triton's pipeliner gives each load one shared-memory buffer, so a program has
+one K and one V tile in flight and none while it computes; it needs several programs an SM,
+hence splits and a combine kernel, to keep HBM busy.  Here one program per (request, KV head)
+reads all of the request's keys, with two partitions:
+
+* *loader* (one warp): for each 64-key tile, the K and V rows by TMA into a ring of
+  ``tuning.DECODE_WS_STAGES`` shared-memory slots, one copy per page the tile covers,
+  through the request's page tables (``context_ws._tile_rows``, one tile ahead);
+* *consumer* (four warps): the request's query rows of that KV head as one ``mma_v2`` tile,
+  ``S = Q K^T``, the online softmax, ``O += P V``, releasing each slot as soon as its operand
+  is in registers; then ``out`` (and the LSE).
+
+At B = 16-64 with 8k-32k keys (GQA 32/8 and 64/8, an H200) this took 0.99-1.00x cuDNN's time
+where the split Triton kernels took 0.94-0.98x (docs/results.md).  Semantics are
+``decode.py``'s, restricted to what :func:`serves` accepts.  Keys past the request's length
+in its last tile are masked out of ``S`` and their V rows zeroed in shared memory before
+``P V``, so whatever the cache holds there, even NaN, never reaches the output.  Never runs in
+the CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from cake_sp.kernels.fmha import tuning
+from cake_sp.kernels.fmha.context_ws import (
+    MIN_BOX,
+    _load_tile,
+    _rows_descriptor,
+    _tile_rows,
+    _zero_keys_past,
+)
+from cake_sp.kernels.fmha.problem import PagedAttention
+
+BLOCK_N = 64
+HEAD_DIMS = (64, 128)
+LOADER_REGS = 40
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, k_table,
+            v_table, n_tiles, seq_len, k_head_row, v_head_row, k_page_rows, v_page_rows,
+            PAGE: gl.constexpr, BOX: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr):
+    """Loader partition: every tile's K and V; tile ``i + 1``'s page entries are loaded
+    before tile ``i``'s slots are waited for."""
+    if n_tiles > 0:
+        k_rows = _tile_rows(k_table, 0, seq_len, k_head_row, k_page_rows, PAGE, BOX, BLOCK_N)
+        v_rows = _tile_rows(v_table, 0, seq_len, v_head_row, v_page_rows, PAGE, BOX, BLOCK_N)
+        for i in range(n_tiles):
+            j1 = (i + 1) * BLOCK_N
+            k_next = _tile_rows(k_table, j1, seq_len, k_head_row, k_page_rows, PAGE, BOX,
+                                BLOCK_N)
+            v_next = _tile_rows(v_table, j1, seq_len, v_head_row, v_page_rows, PAGE, BOX,
+                                BLOCK_N)
+            _load_tile(k_desc, k_bufs, k_ready, k_empty, k_rows, i, BOX, BLOCK_N, STAGES)
+            _load_tile(v_desc, v_bufs, v_ready, v_empty, v_rows, i, BOX, BLOCK_N, STAGES)
+            k_rows = k_next
+            v_rows = v_next
+
+
+@gluon.jit
+def _consumer(q_ptr, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, b,
+              hkv, num_kv_heads, n_tiles, seq_len, scale_log2, bmm2_scale, stride_qt, stride_qh,
+              stride_ot, stride_oh, Q_LEN: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              HAS_LSE: gl.constexpr):
+    """Consumer partition: rows ``(q token i, head g)`` of one (request, KV head) over the
+    request's ``seq_len`` keys (``n_tiles`` tiles); ``out`` and (``HAS_LSE``) the LSE."""
+    warps: gl.constexpr = gl.num_warps()
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, warps],
+                                                  instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+    q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blocked))
+    q_cols = gl.arange(0, D, layout=gl.SliceLayout(0, blocked))
+    q_tok = (b * Q_LEN + q_rows // GROUP).to(gl.int64)
+    q_head = hkv * GROUP + q_rows % GROUP
+    q = gl.load(q_ptr + q_tok[:, None] * stride_qt + q_head[:, None] * stride_qh + q_cols[None, :],
+                mask=(q_rows < Q_LEN * GROUP)[:, None], other=0.0)
+    q = gl.convert_layout(q, a_layout)
+
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    q_pos = seq_len - Q_LEN + rows // GROUP
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, mma))
+    acc = gl.zeros([BLOCK_M, D], gl.float32, mma)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+    # Tiles from this key hold keys that some row may not see (past seq_len, or after a query's
+    # own position when a request brings several).
+    first_masked = seq_len - Q_LEN + 1
+    for i in range(n_tiles):
+        s = i % STAGES
+        phase = (i // STAGES) & 1
+        j0 = i * BLOCK_N
+        mbarrier.wait(k_ready.index(s), phase)
+        k_t = k_bufs.index(s).permute((1, 0)).load(b_layout)
+        gl.thread_barrier()
+        mbarrier.arrive(k_empty.index(s))
+        qk = mma_v2(q, k_t, s_zero)
+        if j0 + BLOCK_N > first_masked:
+            key = j0 + keys
+            ok = (key[None, :] < seq_len) & (key[None, :] <= q_pos[:, None])
+            qk = gl.where(ok, qk, float("-inf"))
+        # scale_log2 > 0 (serves): the scaled row maximum is the scaled maximum of the scores.
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1) * scale_log2)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(gl.fma(qk, scale_log2, -m_safe[:, None]))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        mbarrier.wait(v_ready.index(s), phase)
+        _zero_keys_past(v_bufs.index(s), j0, seq_len, BLOCK_N, D, warps)
+        v = v_bufs.index(s).load(b_layout)
+        gl.thread_barrier()
+        mbarrier.arrive(v_empty.index(s))
+        acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_layout), v, acc * alpha[:, None])
+
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
+    row_ok = rows < Q_LEN * GROUP
+    tok = (b * Q_LEN + rows // GROUP).to(gl.int64)
+    head = hkv * GROUP + rows % GROUP
+    has_mass = l_i > 0
+    inv = gl.where(has_mass, bmm2_scale / gl.where(has_mass, l_i, 1.0), 0.0)
+    ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
+    gl.store(ptrs, (acc * inv[:, None]).to(gl.bfloat16), mask=row_ok[:, None])
+    if HAS_LSE:
+        lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * LN2,
+                       float("-inf"))
+        gl.store(lse_ptr + tok * (num_kv_heads * GROUP) + head, lse, mask=row_ok)
+
+
+@gluon.jit
+def decode_ws_kernel(q_ptr, k_desc, v_desc, k_tables_ptr, v_tables_ptr, seq_lens_ptr, out_ptr,
+                     lse_ptr, scale_log2, bmm2_scale, num_kv_heads, k_head_rows, k_page_rows,
+                     v_head_rows, v_page_rows, stride_qt, stride_qh, stride_ktb, stride_vtb,
+                     stride_ot, stride_oh,
+                     Q_LEN: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr,
+                     BOX: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LSE: gl.constexpr,
+                     LOADER_REGS: gl.constexpr):
+    """Program ``request x KV head``: ``out`` (and the LSE) of that KV head's query rows.
+    ``k_desc`` / ``v_desc``: 2-D descriptors over the caches' rows of ``D`` values (as in
+    ``context_ws``)."""
+    pid = gl.program_id(0)
+    b = pid // num_kv_heads
+    hkv = pid % num_kv_heads
+    seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
+    n_tiles = gl.cdiv(seq_len, BLOCK_N)
+    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=1)
+    k_table = k_tables_ptr + b.to(gl.int64) * stride_ktb
+    v_table = v_tables_ptr + b.to(gl.int64) * stride_vtb
+    gl.warp_specialize([
+        (_consumer, (q_ptr, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, out_ptr,
+                     lse_ptr, b, hkv, num_kv_heads, n_tiles, seq_len, scale_log2, bmm2_scale,
+                     stride_qt, stride_qh, stride_ot, stride_oh, Q_LEN, GROUP, D, BLOCK_M,
+                     BLOCK_N, STAGES, HAS_LSE)),
+        (_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, k_table,
+                   v_table, n_tiles, seq_len, hkv * k_head_rows, hkv * v_head_rows,
+                   k_page_rows, v_page_rows, PAGE, BOX, BLOCK_N, STAGES)),
+    ], [1], [LOADER_REGS])
+
+
+# --------------------------------------------------------------------------- host
+
+def box_rows(page_size: int) -> int:
+    """Rows of one TMA copy: a page, or the part of one a tile holds."""
+    return min(page_size, BLOCK_N)
+
+
+def serves(p: PagedAttention) -> bool:
+    """Whether this kernel takes ``p`` (a decode call): bf16 query, KV and output, D 64 or 128,
+    no window or sinks, a positive ``bmm1_scale`` (the softmax's fused multiply-add), and pages
+    that hold whole 64-key tiles or split one evenly into copies of at least ``MIN_BOX`` rows.
+    The caller also checks the device and that TMA can read the caches."""
+    page = p.page_size
+    return (p.query.dtype == torch.bfloat16 and p.k_cache.dtype == torch.bfloat16
+            and p.out.dtype == torch.bfloat16 and p.query.shape[2] in HEAD_DIMS
+            and p.window_left < 0 and p.sinks is None and p.bmm1_scale > 0
+            and (page % BLOCK_N == 0 or (BLOCK_N % page == 0 and page >= MIN_BOX)))
+
+
+def decode_ws(p: PagedAttention, block_m: int) -> None:
+    """Run ``p`` (a decode call :func:`serves` accepts, TMA-readable caches) into ``p.out``
+    (and ``p.lse``), the query rows of a KV head in tiles of ``block_m`` rows
+    (``decode.block_rows``)."""
+    box = box_rows(p.page_size)
+    k_desc, k_head_rows, k_page_rows = _rows_descriptor(p.k_cache, box)
+    v_desc, v_head_rows, v_page_rows = _rows_descriptor(p.v_cache, box)
+    lse = p.lse if p.lse is not None else p.out
+    decode_ws_kernel[(p.batch * p.num_kv_heads,)](
+        p.query, k_desc, v_desc, p.k_tables, p.v_tables, p.seq_lens, p.out, lse,
+        p.bmm1_scale * math.log2(math.e), p.bmm2_scale, p.num_kv_heads,
+        k_head_rows, k_page_rows, v_head_rows, v_page_rows, p.query.stride(0), p.query.stride(1),
+        p.k_tables.stride(0), p.v_tables.stride(0), p.out.stride(0), p.out.stride(1),
+        Q_LEN=p.q_len_per_req, GROUP=p.group, PAGE=p.page_size, BOX=box, D=p.query.shape[2],
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=tuning.DECODE_WS_STAGES,
+        HAS_LSE=p.lse is not None, LOADER_REGS=LOADER_REGS, num_warps=tuning.DECODE_NUM_WARPS,
+        maxnreg=tuning.DECODE_WS_MAX_REGISTERS)

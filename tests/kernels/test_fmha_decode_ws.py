@@ -1,0 +1,108 @@
+"""The warp-specialised decode kernel (``decode_ws``): which calls it serves and takes (host,
+any machine), and on an sm_90 GPU its output against the fp64 oracle with NaN in every cache
+slot no request owns."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import pytest
+import torch
+from _fmha_cases import (
+    FmhaCase,
+    assert_matches,
+    call,
+    make_call,
+    oracle_fp64,
+    poison_unowned_slots,
+)
+
+from cake_sp.kernels.fmha import api, decode_ws, tuning
+
+SERVED = FmhaCase(op="decode", head_dim=128, num_kv_heads=2, group=4, page_size=64,
+                  kv_lens=(700, 65, 1), q_lens=(1, 1, 1))
+
+
+@pytest.fixture
+def problem_of(monkeypatch):
+    """``problem_of(case)``: the validated ``PagedAttention`` the public call builds from
+    ``case``'s arguments on the CPU (the route is not run)."""
+    monkeypatch.setattr(api, "_run", lambda problem, cell, return_lse: problem)
+    return lambda case: call(case, make_call(case, torch.device("cpu")))
+
+
+@pytest.mark.parametrize(("change", "served"), [
+    ({}, True),
+    ({"head_dim": 64}, True),
+    ({"page_size": 16}, True),            # 4 TMA copies a tile
+    ({"page_size": 256}, True),           # 4 tiles a page
+    ({"kv_layout": "NHD"}, True),
+    ({"lse": True}, True),
+    ({"q_lens": (2, 2, 2)}, True),        # several query tokens a request
+    ({"head_dim": 256}, False),
+    ({"q_dtype": torch.float16}, False),
+    ({"fp8_kv": True}, False),
+    ({"window_left": 8}, False),
+    ({"sinks": True}, False),
+    ({"page_size": 8}, False),            # 8 copies of 8 rows a tile
+    ({"page_size": 48}, False),           # neither divides the other
+])
+def test_serves(change, served, problem_of):
+    case = dataclasses.replace(SERVED, **change)
+    assert decode_ws.serves(problem_of(case)) is served
+
+
+def test_serves_needs_a_positive_scale(problem_of):
+    problem = dataclasses.replace(problem_of(SERVED), bmm1_scale=-0.1)
+    assert not decode_ws.serves(problem)
+
+
+@pytest.mark.parametrize(("programs", "sms", "takes"), [
+    (128, 132, True),      # B = 16, 8 KV heads
+    (105, 132, False),     # short of the grid fraction: the split Triton kernels
+    (8, 132, False),
+    (8, 1, True),
+])
+def test_takes_the_calls_that_fill_the_grid(programs, sms, takes, monkeypatch):
+    monkeypatch.setattr(tuning, "DECODE_WARP_SPECIALIZED", True)
+    assert tuning.decode_ws_takes(programs, sms) is takes
+    monkeypatch.setattr(tuning, "DECODE_WARP_SPECIALIZED", False)
+    assert not tuning.decode_ws_takes(programs, sms)
+
+
+GPU_CASES = [
+    # One tile a page, ragged lengths (a request of one key, one of a tile and one more).
+    FmhaCase(op="decode", head_dim=128, num_kv_heads=8, group=4, page_size=64,
+             kv_lens=(700, 65, 64, 1), q_lens=(1, 1, 1, 1), lse=True),
+    # Pages of 16 (4 copies a tile), D = 64, eight heads a group, separate K/V tables.
+    FmhaCase(op="decode", head_dim=64, num_kv_heads=2, group=8, page_size=16,
+             kv_lens=(333, 17, 5), q_lens=(1, 1, 1), split_tables=True),
+    # Four tiles a page; two query tokens a request (causal among them).
+    FmhaCase(op="decode", head_dim=128, num_kv_heads=2, group=4, page_size=256,
+             kv_lens=(600, 2, 257), q_lens=(2, 2, 2), lse=True),
+    # NHD pages of 32 as a (K, V) tuple (one KV head: TMA reads NHD rows only then,
+    # context.tma_fits).
+    FmhaCase(op="decode", head_dim=128, num_kv_heads=1, group=8, page_size=32,
+             kv_lens=(129, 1000), q_lens=(1, 1), kv_layout="NHD", tuple_kv=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=FmhaCase.label)
+def test_matches_the_oracle_and_never_reads_unowned_slots(case, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialised kernel is sm_90 only")
+    ran = []
+    real = decode_ws.decode_ws
+    monkeypatch.setattr(decode_ws, "decode_ws", lambda p, block_m: (ran.append(p),
+                                                                     real(p, block_m)))
+    monkeypatch.setattr(tuning, "DECODE_WARP_SPECIALIZED", True)
+    monkeypatch.setattr(tuning, "sm_count", lambda device: 1)  # any grid fills one SM
+    monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")
+    kw = make_call(case, torch.device("cuda"), seed=zlib.crc32(case.label().encode()))
+    poison_unowned_slots(case, kw)
+    kw["workspace_buffer"].fill_(255)  # the call needs no workspace: NaN there stays unread
+    ref_out, ref_lse = oracle_fp64(case, kw)
+    assert_matches(case, kw, call(case, kw), ref_out, ref_lse)
+    assert len(ran) == 1, "the call did not take the warp-specialised kernel"
