@@ -144,6 +144,8 @@ def build_fmha_decode(config: dict) -> dict:
 
     from cake_sp.kernels.fmha import api, decode, decode_ws
 
+    config = dict(config)
+    splits = config.pop("splits", 4)
     case = FmhaCase(**{**dict(op="decode", head_dim=128, num_kv_heads=8, group=4, page_size=64,
                               kv_lens=(8192,) * 16, q_lens=(1,) * 16), **config})
     api._run = lambda problem, cell, return_lse: problem
@@ -151,7 +153,12 @@ def build_fmha_decode(config: dict) -> dict:
     assert decode_ws.serves(problem), f"decode_ws does not serve {case}"
     kernel = _Warmup(decode_ws.decode_ws_kernel)
     decode_ws.decode_ws_kernel = kernel
-    decode_ws.decode_ws(problem, decode.block_rows(case.group, max(case.q_lens)))
+    # ``splits`` (default 4) of whole tiles; one split is the variant that finalises.
+    tiles = -(-problem.max_kv_len // decode_ws.BLOCK_N)
+    chunk = -(-tiles // splits) * decode_ws.BLOCK_N
+    scratch = torch.empty(1, dtype=torch.float32)
+    decode_ws.decode_ws(problem, splits, chunk, decode.block_rows(case.group, max(case.q_lens)),
+                        scratch, scratch)
     return kernel.report()
 
 

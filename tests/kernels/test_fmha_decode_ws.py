@@ -89,20 +89,32 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_keys", [1 << 30, 128], ids=["one-split", "splits-of-128"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=FmhaCase.label)
-def test_matches_the_oracle_and_never_reads_unowned_slots(case, monkeypatch):
+def test_matches_the_oracle_and_never_reads_unowned_slots(case, split_keys, monkeypatch):
+    """One split (the kernel finalises) and splits of two tiles (the combine kernel merges its
+    partials), with NaN in every partial slot no split writes."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised kernel is sm_90 only")
     ran = []
     real = decode_ws.decode_ws
-    monkeypatch.setattr(decode_ws, "decode_ws", lambda p, block_m: (ran.append(p),
-                                                                     real(p, block_m)))
+    monkeypatch.setattr(decode_ws, "decode_ws", lambda p, splits, *a: (ran.append(splits),
+                                                                        real(p, splits, *a)))
     monkeypatch.setattr(tuning, "DECODE_WARP_SPECIALIZED", True)
+    monkeypatch.setattr(tuning, "DECODE_WS_SPLIT_KEYS", split_keys)
     monkeypatch.setattr(tuning, "sm_count", lambda device: 1)  # any grid fills one SM
     monkeypatch.setenv("CAKE_SP_FMHA_ROUTE", "triton")
     kw = make_call(case, torch.device("cuda"), seed=zlib.crc32(case.label().encode()))
     poison_unowned_slots(case, kw)
-    kw["workspace_buffer"].fill_(255)  # the call needs no workspace: NaN there stays unread
+    kw["workspace_buffer"].fill_(255)
     ref_out, ref_lse = oracle_fp64(case, kw)
     assert_matches(case, kw, call(case, kw), ref_out, ref_lse)
     assert len(ran) == 1, "the call did not take the warp-specialised kernel"
+    assert ran[0] == (1 if split_keys > max(case.kv_lens) else -(-max(case.kv_lens) // 128))
+
+
+@pytest.mark.parametrize(("max_kv_len", "split_keys", "splits"), [
+    (8192, 8192, 1), (8193, 8192, 2), (32768, 8192, 4), (1, 8192, 1), (300, 128, 3)])
+def test_splits_bound_the_keys_of_a_program(max_kv_len, split_keys, splits, monkeypatch):
+    monkeypatch.setattr(tuning, "DECODE_WS_SPLIT_KEYS", split_keys)
+    assert tuning.decode_ws_splits(max_kv_len) == splits

@@ -50,13 +50,16 @@ BUILDS = {
     # The grid query block first (the calls of long requests).
     "fmha-context-query-block-first": ("fmha_context", {"qblock_major_min_q_len": 0},
                                        {"QBLOCK_MAJOR": True}),
-    # The warp-specialised decode kernel: GQA 32/8 at D 128 (3 programs an SM by registers and
-    # shared memory), and D 64 on pages of 16 (4 copies a tile) with two query tokens and LSE.
-    "fmha-decode-d128": ("fmha_decode", {}, {"D": 128, "STAGES": 2, "maxnreg": 128}),
+    # The warp-specialised decode kernel: GQA 32/8 at D 128 in splits (3 programs an SM by
+    # registers and shared memory), and D 64 on pages of 16 (4 copies a tile) with two query
+    # tokens, one split and the LSE.
+    "fmha-decode-d128": ("fmha_decode", {}, {"D": 128, "STAGES": 2, "maxnreg": 128,
+                                            "FINALIZE": False}),
     "fmha-decode-d64-page16": ("fmha_decode", {"head_dim": 64, "page_size": 16, "group": 8,
                                                "num_kv_heads": 2, "kv_lens": [333, 17],
-                                               "q_lens": [2, 2], "lse": True},
-                               {"D": 64, "PAGE": 16, "Q_LEN": 2, "HAS_LSE": True}),
+                                               "q_lens": [2, 2], "lse": True, "splits": 1},
+                               {"D": 64, "PAGE": 16, "Q_LEN": 2, "HAS_LSE": True,
+                                "FINALIZE": True}),
 }
 
 

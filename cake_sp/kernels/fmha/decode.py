@@ -182,12 +182,13 @@ def split_plan(p: PagedAttention) -> tuple[int, int, int]:
     of the key tile ``block_n`` (``tuning.decode_num_splits``).
 
     Host values only, so the plan of a captured call never changes on replay.  A call that
-    takes ``decode_ws`` is one split.
+    takes ``decode_ws`` splits only keys beyond ``tuning.decode_ws_splits``'s bound.
     """
     block_n = tuning.decode_block_n(p.k_cache.element_size(), p.query.shape[2])
     tiles = max(1, math.ceil(p.max_kv_len / block_n))
     if _warp_specialized_fits(p):
-        return 1, tiles * block_n, block_n
+        chunk = math.ceil(tiles / tuning.decode_ws_splits(tiles * block_n)) * block_n
+        return math.ceil(p.max_kv_len / chunk), chunk, block_n
     splits = tuning.decode_num_splits(p.batch * p.num_kv_heads, tiles, p.max_kv_len,
                                       p.k_cache.element_size(), tuning.sm_count(p.query.device))
     chunk = math.ceil(tiles / splits) * block_n
@@ -217,11 +218,13 @@ def decode_triton(p: PagedAttention) -> None:
     spare = p.out
     sinks = p.sinks if p.sinks is not None else spare
     lse = p.lse if p.lse is not None else spare
+    finalize = splits == 1
     if _warp_specialized_fits(p):
-        decode_ws.decode_ws(p, block_rows(p.group, p.q_len_per_req))
-        return
-    _decode_partial(p, splits, chunk, block_n, acc, ml, spare, sinks, lse)
-    if splits == 1:
+        decode_ws.decode_ws(p, splits, chunk, block_rows(p.group, p.q_len_per_req),
+                            spare if finalize else acc, spare if finalize else ml)
+    else:
+        _decode_partial(p, splits, chunk, block_n, acc, ml, spare, sinks, lse)
+    if finalize:
         return
     flags = dict(HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None,
                  OUT_BF16=p.out.dtype == torch.bfloat16, INTERPRET=INTERPRET)
@@ -234,7 +237,7 @@ def decode_triton(p: PagedAttention) -> None:
 
 
 def _warp_specialized_fits(p: PagedAttention) -> bool:
-    """Whether ``p`` takes ``decode_ws`` (one split): an sm_90 GPU, a grid it fills
+    """Whether ``p`` takes ``decode_ws``: an sm_90 GPU, a grid it fills
     (``tuning.decode_ws_takes``), a call it serves, TMA-readable caches."""
     return (decode_ws is not None and not INTERPRET and p.query.device.type == "cuda"
             and tuning.decode_ws_takes(p.batch * p.num_kv_heads, tuning.sm_count(p.query.device))

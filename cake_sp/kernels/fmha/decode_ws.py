@@ -1,22 +1,21 @@
-"""The warp-specialised decode kernel for sm_90a (Gluon): ``decode_triton_v1``'s calls
-whose (request, KV head) programs fill the GPU unsplit (``tuning.decode_ws_takes``) and that
-it serves (:func:`serves`).
+"""The warp-specialised split-KV decode kernel for sm_90a (Gluon): the partial kernel of
+``decode_triton_v1`` for the calls whose (request, KV head) programs fill the GPU
+(``tuning.decode_ws_takes``) and that it serves (:func:`serves`).
 
 ``decode.py``'s partial kernel issues its page lookups, its K/V loads and its dots from the
 same warps, and Triton's pipeliner gives each load one shared-memory buffer, so a program has
 one K and one V tile in flight and none while it computes; it needs several programs an SM,
-hence splits and a combine kernel, to keep HBM busy.  Here one program per (request, KV head)
-reads all of the request's keys, with two partitions:
+hence many splits, to keep HBM busy.  Here a program (same grid and partials as
+``decode.py``'s, so its combine kernel merges them) has two partitions:
 
-* *loader* (one warp): for each 64-key tile, the K and V rows by TMA into a ring of
-  ``tuning.DECODE_WS_STAGES`` shared-memory slots, one copy per page the tile covers,
+* *loader* (one warp): for each 64-key tile of its split, the K and V rows by TMA into a
+  ring of ``tuning.DECODE_WS_STAGES`` shared-memory slots, one copy per page the tile covers,
   through the request's page tables (``context_ws._tile_rows``, one tile ahead);
 * *consumer* (four warps): the request's query rows of that KV head as one ``mma_v2`` tile,
   ``S = Q K^T``, the online softmax, ``O += P V``, releasing each slot as soon as its operand
-  is in registers; then ``out`` (and the LSE).
+  is in registers; then the partial ``(acc, m, l)`` or, for one split, ``out``.
 
-At B = 16-64 with 8k-32k keys (GQA 32/8 and 64/8, an H200) this took 0.99-1.00x cuDNN's time
-where the split Triton kernels took 0.94-0.98x (docs/results.md).  Semantics are
+Splits are few (``tuning.decode_ws_splits``: at most 4,096 keys each).  Semantics are
 ``decode.py``'s, restricted to what :func:`serves` accepts.  Keys past the request's length
 in its last tile are masked out of ``S`` and their V rows zeroed in shared memory before
 ``P V``, so whatever the cache holds there, even NaN, never reaches the output.  Never runs in
@@ -51,16 +50,16 @@ LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 @gluon.jit
 def _loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, k_table,
-            v_table, n_tiles, seq_len, k_head_row, v_head_row, k_page_rows, v_page_rows,
+            v_table, start, n_tiles, seq_len, k_head_row, v_head_row, k_page_rows, v_page_rows,
             PAGE: gl.constexpr, BOX: gl.constexpr, BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr):
-    """Loader partition: every tile's K and V; tile ``i + 1``'s page entries are loaded
-    before tile ``i``'s slots are waited for."""
+    """Loader partition: the K and V of the split's tiles from key ``start``; tile ``i + 1``'s
+    page entries are loaded before tile ``i``'s slots are waited for."""
     if n_tiles > 0:
-        k_rows = _tile_rows(k_table, 0, seq_len, k_head_row, k_page_rows, PAGE, BOX, BLOCK_N)
-        v_rows = _tile_rows(v_table, 0, seq_len, v_head_row, v_page_rows, PAGE, BOX, BLOCK_N)
+        k_rows = _tile_rows(k_table, start, seq_len, k_head_row, k_page_rows, PAGE, BOX, BLOCK_N)
+        v_rows = _tile_rows(v_table, start, seq_len, v_head_row, v_page_rows, PAGE, BOX, BLOCK_N)
         for i in range(n_tiles):
-            j1 = (i + 1) * BLOCK_N
+            j1 = start + (i + 1) * BLOCK_N
             k_next = _tile_rows(k_table, j1, seq_len, k_head_row, k_page_rows, PAGE, BOX,
                                 BLOCK_N)
             v_next = _tile_rows(v_table, j1, seq_len, v_head_row, v_page_rows, PAGE, BOX,
@@ -72,13 +71,15 @@ def _loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, 
 
 
 @gluon.jit
-def _consumer(q_ptr, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, b,
-              hkv, num_kv_heads, n_tiles, seq_len, scale_log2, bmm2_scale, stride_qt, stride_qh,
-              stride_ot, stride_oh, Q_LEN: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _consumer(q_ptr, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc_ptr, ml_ptr,
+              out_ptr, lse_ptr, b, hkv, split, num_splits, num_kv_heads, start, n_tiles, seq_len,
+              scale_log2, bmm2_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+              Q_LEN: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FINALIZE: gl.constexpr,
               HAS_LSE: gl.constexpr):
     """Consumer partition: rows ``(q token i, head g)`` of one (request, KV head) over the
-    request's ``seq_len`` keys (``n_tiles`` tiles); ``out`` and (``HAS_LSE``) the LSE."""
+    split's ``n_tiles`` tiles from key ``start`` (keys below ``seq_len``); the split's partial,
+    or with ``FINALIZE`` ``out`` and (``HAS_LSE``) the LSE."""
     warps: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, warps],
                                                   instr_shape=[16, 8])
@@ -106,7 +107,7 @@ def _consumer(q_ptr, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, out_ptr
     for i in range(n_tiles):
         s = i % STAGES
         phase = (i // STAGES) & 1
-        j0 = i * BLOCK_N
+        j0 = start + i * BLOCK_N
         mbarrier.wait(k_ready.index(s), phase)
         k_t = k_bufs.index(s).permute((1, 0)).load(b_layout)
         gl.thread_barrier()
@@ -134,33 +135,46 @@ def _consumer(q_ptr, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, out_ptr
     row_ok = rows < Q_LEN * GROUP
     tok = (b * Q_LEN + rows // GROUP).to(gl.int64)
     head = hkv * GROUP + rows % GROUP
-    has_mass = l_i > 0
-    inv = gl.where(has_mass, bmm2_scale / gl.where(has_mass, l_i, 1.0), 0.0)
-    ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
-    gl.store(ptrs, (acc * inv[:, None]).to(gl.bfloat16), mask=row_ok[:, None])
-    if HAS_LSE:
-        lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * LN2,
-                       float("-inf"))
-        gl.store(lse_ptr + tok * (num_kv_heads * GROUP) + head, lse, mask=row_ok)
+    row = tok * (num_kv_heads * GROUP) + head
+    if FINALIZE:
+        has_mass = l_i > 0
+        inv = gl.where(has_mass, bmm2_scale / gl.where(has_mass, l_i, 1.0), 0.0)
+        ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
+        gl.store(ptrs, (acc * inv[:, None]).to(gl.bfloat16), mask=row_ok[:, None])
+        if HAS_LSE:
+            lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * LN2,
+                           float("-inf"))
+            gl.store(lse_ptr + row, lse, mask=row_ok)
+    else:
+        # decode.py's partials, merged by its combine kernel.
+        slot = row * num_splits + split
+        gl.store(acc_ptr + slot[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])
+        gl.store(ml_ptr + slot * 2, m_i, mask=row_ok)
+        gl.store(ml_ptr + slot * 2 + 1, l_i, mask=row_ok)
 
 
 @gluon.jit
-def decode_ws_kernel(q_ptr, k_desc, v_desc, k_tables_ptr, v_tables_ptr, seq_lens_ptr, out_ptr,
-                     lse_ptr, scale_log2, bmm2_scale, num_kv_heads, k_head_rows, k_page_rows,
-                     v_head_rows, v_page_rows, stride_qt, stride_qh, stride_ktb, stride_vtb,
-                     stride_ot, stride_oh,
+def decode_ws_kernel(q_ptr, k_desc, v_desc, k_tables_ptr, v_tables_ptr, seq_lens_ptr, acc_ptr,
+                     ml_ptr, out_ptr, lse_ptr, scale_log2, bmm2_scale, num_kv_heads, chunk_len,
+                     k_head_rows, k_page_rows, v_head_rows, v_page_rows, stride_qt, stride_qh,
+                     stride_ktb, stride_vtb, stride_ot, stride_oh,
                      Q_LEN: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr,
                      BOX: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LSE: gl.constexpr,
-                     LOADER_REGS: gl.constexpr):
-    """Program ``request x KV head``: ``out`` (and the LSE) of that KV head's query rows.
-    ``k_desc`` / ``v_desc``: 2-D descriptors over the caches' rows of ``D`` values (as in
-    ``context_ws``)."""
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FINALIZE: gl.constexpr,
+                     HAS_LSE: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """Program ``(request x KV head, split)``: keys ``[split * chunk_len, ...)`` of the
+    request, into the partials ``acc [T, Hq, S, D]``, ``ml [T, Hq, S, 2]`` fp32 (log2-unit
+    max, sum) at ``(row, split)`` as ``decode.py``'s partial kernel writes them, or with
+    ``FINALIZE`` (one split) ``out`` and the LSE.  ``k_desc`` / ``v_desc``: 2-D descriptors
+    over the caches' rows of ``D`` values (as in ``context_ws``)."""
     pid = gl.program_id(0)
+    split = gl.program_id(1)
     b = pid // num_kv_heads
     hkv = pid % num_kv_heads
     seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
-    n_tiles = gl.cdiv(seq_len, BLOCK_N)
+    start = split * chunk_len
+    end = gl.minimum(start + chunk_len, seq_len)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -175,12 +189,12 @@ def decode_ws_kernel(q_ptr, k_desc, v_desc, k_tables_ptr, v_tables_ptr, seq_lens
     k_table = k_tables_ptr + b.to(gl.int64) * stride_ktb
     v_table = v_tables_ptr + b.to(gl.int64) * stride_vtb
     gl.warp_specialize([
-        (_consumer, (q_ptr, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, out_ptr,
-                     lse_ptr, b, hkv, num_kv_heads, n_tiles, seq_len, scale_log2, bmm2_scale,
-                     stride_qt, stride_qh, stride_ot, stride_oh, Q_LEN, GROUP, D, BLOCK_M,
-                     BLOCK_N, STAGES, HAS_LSE)),
+        (_consumer, (q_ptr, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc_ptr, ml_ptr,
+                     out_ptr, lse_ptr, b, hkv, split, gl.num_programs(1), num_kv_heads, start,
+                     n_tiles, seq_len, scale_log2, bmm2_scale, stride_qt, stride_qh, stride_ot,
+                     stride_oh, Q_LEN, GROUP, D, BLOCK_M, BLOCK_N, STAGES, FINALIZE, HAS_LSE)),
         (_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, k_table,
-                   v_table, n_tiles, seq_len, hkv * k_head_rows, hkv * v_head_rows,
+                   v_table, start, n_tiles, seq_len, hkv * k_head_rows, hkv * v_head_rows,
                    k_page_rows, v_page_rows, PAGE, BOX, BLOCK_N, STAGES)),
     ], [1], [LOADER_REGS])
 
@@ -204,20 +218,23 @@ def serves(p: PagedAttention) -> bool:
             and (page % BLOCK_N == 0 or (BLOCK_N % page == 0 and page >= MIN_BOX)))
 
 
-def decode_ws(p: PagedAttention, block_m: int) -> None:
-    """Run ``p`` (a decode call :func:`serves` accepts, TMA-readable caches) into ``p.out``
-    (and ``p.lse``), the query rows of a KV head in tiles of ``block_m`` rows
+def decode_ws(p: PagedAttention, splits: int, chunk: int, block_m: int, acc: torch.Tensor,
+              ml: torch.Tensor) -> None:
+    """Run ``p`` (a decode call :func:`serves` accepts, TMA-readable caches) over ``splits``
+    splits of ``chunk`` keys (``decode.split_plan``, a multiple of ``BLOCK_N``) into the fp32
+    partials ``acc`` and ``ml`` (``decode.py``'s layout), or for one split into ``p.out``
+    (and ``p.lse``); the query rows of a KV head in tiles of ``block_m`` rows
     (``decode.block_rows``)."""
     box = box_rows(p.page_size)
     k_desc, k_head_rows, k_page_rows = _rows_descriptor(p.k_cache, box)
     v_desc, v_head_rows, v_page_rows = _rows_descriptor(p.v_cache, box)
     lse = p.lse if p.lse is not None else p.out
-    decode_ws_kernel[(p.batch * p.num_kv_heads,)](
-        p.query, k_desc, v_desc, p.k_tables, p.v_tables, p.seq_lens, p.out, lse,
-        p.bmm1_scale * math.log2(math.e), p.bmm2_scale, p.num_kv_heads,
+    decode_ws_kernel[(p.batch * p.num_kv_heads, splits)](
+        p.query, k_desc, v_desc, p.k_tables, p.v_tables, p.seq_lens, acc, ml, p.out, lse,
+        p.bmm1_scale * math.log2(math.e), p.bmm2_scale, p.num_kv_heads, chunk,
         k_head_rows, k_page_rows, v_head_rows, v_page_rows, p.query.stride(0), p.query.stride(1),
         p.k_tables.stride(0), p.v_tables.stride(0), p.out.stride(0), p.out.stride(1),
         Q_LEN=p.q_len_per_req, GROUP=p.group, PAGE=p.page_size, BOX=box, D=p.query.shape[2],
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=tuning.DECODE_WS_STAGES,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=tuning.DECODE_WS_STAGES, FINALIZE=splits == 1,
         HAS_LSE=p.lse is not None, LOADER_REGS=LOADER_REGS, num_warps=tuning.DECODE_NUM_WARPS,
         maxnreg=tuning.DECODE_WS_MAX_REGISTERS)

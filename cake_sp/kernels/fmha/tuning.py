@@ -31,6 +31,8 @@ DECODE_WIDE_FP8_MIN_KEYS = 4096
 DECODE_WARP_SPECIALIZED = True
 DECODE_WS_STAGES = 2
 DECODE_WS_MAX_REGISTERS = 128
+# Most keys one program of decode_ws folds (decode_ws_splits).
+DECODE_WS_SPLIT_KEYS = 4096
 # Split-KV (decode_num_splits).
 DECODE_MAX_SPLITS = 64
 # Partial values one combine program loads at once (decode_combine_block_d).
@@ -134,15 +136,29 @@ def decode_num_splits(programs: int, key_tiles: int, max_kv_len: int, kv_element
 
 
 def decode_ws_takes(programs: int, num_sms: int) -> bool:
-    """Whether a decode call of ``programs`` = B x Hkv goes to ``decode_ws``, one program per
-    (request, KV head) and no split: when they fill ``DECODE_FULL_GRID`` of the SMs once.
+    """Whether a decode call of ``programs`` = B x Hkv goes to ``decode_ws`` (split only as
+    ``decode_ws_splits`` asks): when they fill ``DECODE_FULL_GRID`` of the SMs once.
 
-    On an H200 (bf16, GQA 32/8 and 64/8, pages of 64) it took B = 16-64 with 8k-32k keys
-    from 0.94-0.98x cuDNN's speed (the split Triton kernels) to 0.99-1.00x, and B = 32 with
-    8k keys from 0.72x to 0.99x; 2 ring stages beat 3 and 4 by 1-4 %.  With splits, on fewer
-    programs, it was within a few per cent of the Triton kernels either way (docs/results.md),
-    so those keep them."""
+    On an H200 (bf16, GQA 32/8 and 64/8, pages of 64, batches of equal lengths) it took
+    B = 16-256 with 8k-32k keys from 0.94-0.99x cuDNN's speed (the split Triton kernels) to
+    0.97-1.01x, B = 16 with 1k keys from 0.82-0.85x to 1.00x; 2 ring stages beat 3 and 4 by
+    1-4 %.  On fewer programs (B = 1 with 8 KV heads) it was within a few per cent of the
+    Triton kernels either way (docs/results.md), so those keep them."""
     return DECODE_WARP_SPECIALIZED and programs >= DECODE_FULL_GRID * num_sms
+
+
+def decode_ws_splits(max_kv_len: int) -> int:
+    """Splits of each (request, KV head) in a ``decode_ws`` call: as few as keep every split
+    within ``DECODE_WS_SPLIT_KEYS`` keys.
+
+    The plan sees only the longest request, and an unsplit long request among short ones is
+    one SM's work while the others idle.  On an H200 (bf16, GQA 32/8, B = 16-64, up to 32k
+    keys) splits of at most 4,096 keys took 0.16-0.87x the split Triton kernels' time on
+    batches of random lengths or one long request among short ones, where one split took
+    0.46-1.26x and splits of 8,192 keys 0.20-1.07x; on batches of equal lengths they took
+    1.02-1.03x one split's time (0.97-1.01x cuDNN's speed from 16 requests, 8k-32k keys;
+    docs/results.md)."""
+    return max(1, -(-max_kv_len // DECODE_WS_SPLIT_KEYS))
 
 
 def decode_num_stages(batch: int, max_kv_len: int, kv_element_size: int) -> int:
