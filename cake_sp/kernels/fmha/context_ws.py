@@ -98,25 +98,40 @@ def _load_tile(desc, bufs, ready, empty, rows, i, BOX: gl.constexpr, BLOCK_N: gl
 
 
 @gluon.jit
+def load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, k_table,
+                  v_table, start, n_tiles, kv_len, k_head_row, v_head_row, k_page_rows,
+                  v_page_rows, PAGE: gl.constexpr, BOX: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """The K and V of ``n_tiles`` tiles from key ``start`` of one KV head into the ring, tile
+    ``i`` in slot ``i % STAGES`` (``_load_tile``).  The page table entries of tile ``i + 1``
+    are loaded before tile ``i``'s slots are waited for, so their latency hides under the
+    wait.  Also ``decode_ws``'s loader."""
+    if n_tiles > 0:
+        k_rows = _tile_rows(k_table, start, kv_len, k_head_row, k_page_rows, PAGE, BOX, BLOCK_N)
+        v_rows = _tile_rows(v_table, start, kv_len, v_head_row, v_page_rows, PAGE, BOX, BLOCK_N)
+        for i in range(n_tiles):
+            j1 = start + (i + 1) * BLOCK_N
+            k_next = _tile_rows(k_table, j1, kv_len, k_head_row, k_page_rows, PAGE, BOX,
+                                BLOCK_N)
+            v_next = _tile_rows(v_table, j1, kv_len, v_head_row, v_page_rows, PAGE, BOX,
+                                BLOCK_N)
+            _load_tile(k_desc, k_bufs, k_ready, k_empty, k_rows, i, BOX, BLOCK_N, STAGES)
+            _load_tile(v_desc, v_bufs, v_ready, v_empty, v_rows, i, BOX, BLOCK_N, STAGES)
+            k_rows = k_next
+            v_rows = v_next
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
             v_empty, k_table, v_table, q_row, q_col, kv_len, k_head_row, v_head_row,
             k_page_rows, v_page_rows, n_tiles, PAGE: gl.constexpr, BOX: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Loader partition: Q once, then every tile's K and V.  The page table entries of tile
-    ``i + 1`` are loaded before tile ``i``'s slots are waited for, so their latency hides
-    under the wait."""
+    """Loader partition: Q once, then every tile's K and V (``load_kv_tiles``)."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
-    k_rows = _tile_rows(k_table, 0, kv_len, k_head_row, k_page_rows, PAGE, BOX, BLOCK_N)
-    v_rows = _tile_rows(v_table, 0, kv_len, v_head_row, v_page_rows, PAGE, BOX, BLOCK_N)
-    for i in range(n_tiles):
-        j1 = (i + 1) * BLOCK_N
-        k_next = _tile_rows(k_table, j1, kv_len, k_head_row, k_page_rows, PAGE, BOX, BLOCK_N)
-        v_next = _tile_rows(v_table, j1, kv_len, v_head_row, v_page_rows, PAGE, BOX, BLOCK_N)
-        _load_tile(k_desc, k_bufs, k_ready, k_empty, k_rows, i, BOX, BLOCK_N, STAGES)
-        _load_tile(v_desc, v_bufs, v_ready, v_empty, v_rows, i, BOX, BLOCK_N, STAGES)
-        k_rows = k_next
-        v_rows = v_next
+    load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, k_table,
+                  v_table, 0, n_tiles, kv_len, k_head_row, v_head_row, k_page_rows, v_page_rows,
+                  PAGE, BOX, BLOCK_N, STAGES)
 
 
 @gluon.jit

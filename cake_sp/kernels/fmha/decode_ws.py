@@ -10,7 +10,8 @@ hence many splits, to keep HBM busy.  Here a program (same grid and partials as
 
 * *loader* (one warp): for each 64-key tile of its split, the K and V rows by TMA into a
   ring of ``tuning.DECODE_WS_STAGES`` shared-memory slots, one copy per page the tile covers,
-  through the request's page tables (``context_ws._tile_rows``, one tile ahead);
+  through the request's page tables (``context_ws.load_kv_tiles``, page entries one tile
+  ahead);
 * *consumer* (four warps): the request's query rows of that KV head as one ``mma_v2`` tile,
   ``S = Q K^T``, the online softmax, ``O += P V``, releasing each slot as soon as its operand
   is in registers; then the partial ``(acc, m, l)`` or, for one split, ``out``.
@@ -35,10 +36,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from cake_sp.kernels.fmha import tuning
 from cake_sp.kernels.fmha.context_ws import (
     MIN_BOX,
-    _load_tile,
     _rows_descriptor,
-    _tile_rows,
     _zero_keys_past,
+    load_kv_tiles,
 )
 from cake_sp.kernels.fmha.problem import PagedAttention
 
@@ -46,28 +46,6 @@ BLOCK_N = 64
 HEAD_DIMS = (64, 128)
 LOADER_REGS = 40
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
-
-
-@gluon.jit
-def _loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, k_table,
-            v_table, start, n_tiles, seq_len, k_head_row, v_head_row, k_page_rows, v_page_rows,
-            PAGE: gl.constexpr, BOX: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr):
-    """Loader partition: the K and V of the split's tiles from key ``start``; tile ``i + 1``'s
-    page entries are loaded before tile ``i``'s slots are waited for."""
-    if n_tiles > 0:
-        k_rows = _tile_rows(k_table, start, seq_len, k_head_row, k_page_rows, PAGE, BOX, BLOCK_N)
-        v_rows = _tile_rows(v_table, start, seq_len, v_head_row, v_page_rows, PAGE, BOX, BLOCK_N)
-        for i in range(n_tiles):
-            j1 = start + (i + 1) * BLOCK_N
-            k_next = _tile_rows(k_table, j1, seq_len, k_head_row, k_page_rows, PAGE, BOX,
-                                BLOCK_N)
-            v_next = _tile_rows(v_table, j1, seq_len, v_head_row, v_page_rows, PAGE, BOX,
-                                BLOCK_N)
-            _load_tile(k_desc, k_bufs, k_ready, k_empty, k_rows, i, BOX, BLOCK_N, STAGES)
-            _load_tile(v_desc, v_bufs, v_ready, v_empty, v_rows, i, BOX, BLOCK_N, STAGES)
-            k_rows = k_next
-            v_rows = v_next
 
 
 @gluon.jit
@@ -193,9 +171,11 @@ def decode_ws_kernel(q_ptr, k_desc, v_desc, k_tables_ptr, v_tables_ptr, seq_lens
                      out_ptr, lse_ptr, b, hkv, split, gl.num_programs(1), num_kv_heads, start,
                      n_tiles, seq_len, scale_log2, bmm2_scale, stride_qt, stride_qh, stride_ot,
                      stride_oh, Q_LEN, GROUP, D, BLOCK_M, BLOCK_N, STAGES, FINALIZE, HAS_LSE)),
-        (_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, k_table,
-                   v_table, start, n_tiles, seq_len, hkv * k_head_rows, hkv * v_head_rows,
-                   k_page_rows, v_page_rows, PAGE, BOX, BLOCK_N, STAGES)),
+        # The loader partition: every tile of the split.
+        (load_kv_tiles, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                         k_table, v_table, start, n_tiles, seq_len, hkv * k_head_rows,
+                         hkv * v_head_rows, k_page_rows, v_page_rows, PAGE, BOX, BLOCK_N,
+                         STAGES)),
     ], [1], [LOADER_REGS])
 
 
