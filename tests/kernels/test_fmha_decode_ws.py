@@ -40,6 +40,9 @@ def problem_of(monkeypatch):
     ({"kv_layout": "NHD"}, True),
     ({"lse": True}, True),
     ({"q_lens": (2, 2, 2)}, True),        # several query tokens a request
+    ({"q_lens": (8, 8, 8)}, True),        # 32 query rows at D = 128
+    ({"q_lens": (9, 9, 9)}, False),       # 36: more than the accumulator's registers hold
+    ({"q_lens": (16, 16, 16), "head_dim": 64}, True),  # 64 rows at D = 64
     ({"head_dim": 256}, False),
     ({"q_dtype": torch.float16}, False),
     ({"fp8_kv": True}, False),

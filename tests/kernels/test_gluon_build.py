@@ -60,6 +60,9 @@ BUILDS = {
                                                "q_lens": [2, 2], "lse": True, "splits": 1},
                                {"D": 64, "PAGE": 16, "Q_LEN": 2, "HAS_LSE": True,
                                 "FINALIZE": True}),
+    # The most query rows it serves at D 128 (decode_ws.MAX_ACC_VALUES).
+    "fmha-decode-32-rows": ("fmha_decode", {"q_lens": [8, 8], "kv_lens": [8192, 8192]},
+                            {"BLOCK_M": 32, "D": 128}),
 }
 
 

@@ -45,6 +45,9 @@ from cake_sp.kernels.fmha.problem import PagedAttention
 BLOCK_N = 64
 HEAD_DIMS = (64, 128)
 LOADER_REGS = 40
+# Query rows x D of the consumer's accumulator that fit its 128 registers with the K^T and V
+# operands beside them: 32 x 128 (ptxas for sm_90a); 64 rows at D = 128 spilled 1,104 bytes.
+MAX_ACC_VALUES = 32 * 128
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
@@ -188,12 +191,14 @@ def box_rows(page_size: int) -> int:
 
 def serves(p: PagedAttention) -> bool:
     """Whether this kernel takes ``p`` (a decode call): bf16 query, KV and output, D 64 or 128,
-    no window or sinks, a positive ``bmm1_scale`` (the softmax's fused multiply-add), and pages
-    that hold whole 64-key tiles or split one evenly into copies of at least ``MIN_BOX`` rows.
-    The caller also checks the device and that TMA can read the caches."""
-    page = p.page_size
+    at most ``MAX_ACC_VALUES`` query rows (``group x q_len_per_req``) x D, no window or sinks,
+    a positive ``bmm1_scale`` (the softmax's fused multiply-add), and pages that hold whole
+    64-key tiles or split one evenly into copies of at least ``MIN_BOX`` rows.  The caller also
+    checks the device and that TMA can read the caches."""
+    page, head_dim = p.page_size, p.query.shape[2]
     return (p.query.dtype == torch.bfloat16 and p.k_cache.dtype == torch.bfloat16
-            and p.out.dtype == torch.bfloat16 and p.query.shape[2] in HEAD_DIMS
+            and p.out.dtype == torch.bfloat16 and head_dim in HEAD_DIMS
+            and p.group * p.q_len_per_req * head_dim <= MAX_ACC_VALUES
             and p.window_left < 0 and p.sinks is None and p.bmm1_scale > 0
             and (page % BLOCK_N == 0 or (BLOCK_N % page == 0 and page >= MIN_BOX)))
 
