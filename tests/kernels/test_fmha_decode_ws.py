@@ -84,6 +84,9 @@ GPU_CASES = [
     # Four tiles a page; two query tokens a request (causal among them).
     FmhaCase(op="decode", head_dim=128, num_kv_heads=2, group=4, page_size=256,
              kv_lens=(600, 2, 257), q_lens=(2, 2, 2), lse=True),
+    # The most query rows served at D = 128: 8 tokens x 4 heads.
+    FmhaCase(op="decode", head_dim=128, num_kv_heads=2, group=4, page_size=64,
+             kv_lens=(8, 300), q_lens=(8, 8)),
     # NHD pages of 32 as a (K, V) tuple (one KV head: TMA reads NHD rows only then,
     # context.tma_fits).
     FmhaCase(op="decode", head_dim=128, num_kv_heads=1, group=8, page_size=32,
