@@ -5,7 +5,9 @@ query rows that share a KV head into one tile, so each K/V page is read once
 per KV head; it folds its split's keys into a partial ``(acc, m, l)`` in the
 workspace.  A second kernel merges the splits of each (token, head), adds the
 sink, scales by ``bmm2_scale`` and writes ``out`` (and the LSE).  A call of one
-split finalises in the first kernel and launches no second one.
+split finalises in the first kernel and launches no second one.  On sm_90 the calls
+whose programs fill the GPU and that ``decode_ws.serves`` accepts take the Gluon partial
+kernel of ``decode_ws.py`` instead (same partials, same combine), in few splits.
 
 Pseudo-code it equals (per token ``t`` of request ``b``, head ``h``)::
 
@@ -187,7 +189,7 @@ def split_plan(p: PagedAttention) -> tuple[int, int, int]:
     block_n = tuning.decode_block_n(p.k_cache.element_size(), p.query.shape[2])
     tiles = max(1, math.ceil(p.max_kv_len / block_n))
     if _warp_specialized_fits(p):
-        chunk = math.ceil(tiles / tuning.decode_ws_splits(tiles * block_n)) * block_n
+        chunk = math.ceil(tiles / tuning.decode_ws_splits(p.max_kv_len)) * block_n
         return math.ceil(p.max_kv_len / chunk), chunk, block_n
     splits = tuning.decode_num_splits(p.batch * p.num_kv_heads, tiles, p.max_kv_len,
                                       p.k_cache.element_size(), tuning.sm_count(p.query.device))
@@ -207,7 +209,8 @@ def decode_workspace_bytes(p: PagedAttention) -> int:
 
 
 def decode_triton(p: PagedAttention) -> None:
-    """Run ``p`` (a decode call, ``p.cu_q is None``) on the split-KV Triton kernels."""
+    """Run ``p`` (a decode call, ``p.cu_q is None``) on the split-KV kernels: the partials by
+    ``decode_ws`` or ``_decode_partial_kernel``, then (more than one split) the combine."""
     ensure_sources_verified()
     num_tokens, num_heads, head_dim = p.query.shape
     splits, chunk, block_n = split_plan(p)
@@ -245,9 +248,11 @@ def _warp_specialized_fits(p: PagedAttention) -> bool:
             and tma_fits(p, decode_ws.box_rows(p.page_size)))
 
 
-def _decode_partial(p: PagedAttention, splits: int, chunk: int, block_n: int, acc, ml, spare,
-                    sinks, lse) -> None:
-    """Launch ``_decode_partial_kernel`` for ``p`` (``decode_triton``'s split plan)."""
+def _decode_partial(p: PagedAttention, splits: int, chunk: int, block_n: int, acc: torch.Tensor,
+                    ml: torch.Tensor, spare: torch.Tensor, sinks: torch.Tensor,
+                    lse: torch.Tensor) -> None:
+    """Launch ``_decode_partial_kernel`` for ``p`` (``decode_triton``'s split plan and
+    buffers)."""
     hkv, group, q_len = p.num_kv_heads, p.group, p.q_len_per_req
     head_dim = p.query.shape[2]
     finalize = splits == 1
