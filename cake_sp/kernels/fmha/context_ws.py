@@ -157,7 +157,7 @@ def _softmax_step(qk, m_i, l_i, j0, keys, q_pos, kv_len, first_masked, scale_log
 
 
 @gluon.jit
-def _zero_keys_past(v_buf, j0, kv_len, BLOCK_N: gl.constexpr, D: gl.constexpr,
+def zero_keys_past(v_buf, j0, kv_len, BLOCK_N: gl.constexpr, D: gl.constexpr,
                     num_warps: gl.constexpr):
     """Zero the V rows of keys ``>= kv_len`` in ``v_buf`` (the request's last tile only)."""
     if j0 + BLOCK_N > kv_len:
@@ -244,7 +244,7 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
     if last_j0 + BLOCK_N > kv_len:
         # Each warpgroup zeroes half of the tile's V rows; both P V products read all of them.
         HALF: gl.constexpr = BLOCK_N // 2
-        _zero_keys_past(v_bufs.index(last).slice(WG * HALF, HALF), last_j0 + WG * HALF, kv_len,
+        zero_keys_past(v_bufs.index(last).slice(WG * HALF, HALF), last_j0 + WG * HALF, kv_len,
                         HALF, D, warps)
         mbarrier.arrive(v_masked)
         mbarrier.wait(v_masked, 0)
@@ -348,7 +348,7 @@ def _shared_layout(rows: int, cols: int):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
 
-def _rows_descriptor(cache: torch.Tensor, box: int) -> tuple[TensorDescriptor, int, int]:
+def rows_descriptor(cache: torch.Tensor, box: int) -> tuple[TensorDescriptor, int, int]:
     """``(descriptor, head_rows, page_rows)``: a 2-D descriptor over ``cache``'s
     (``[pages, Hkv, page_size, D]``) rows of ``D`` values, ``box``-row boxes, and where a
     page and a KV head start in it (``context.tma_fits`` has checked the strides)."""
@@ -402,8 +402,8 @@ def context_ws(p: PagedAttention) -> None:
     box = box_rows(p.page_size)
     q_desc = TensorDescriptor(p.query.flatten(1), [t, num_heads * d], [p.query.stride(0), 1],
                               [BLOCK_M, d], _shared_layout(BLOCK_M, d))
-    k_desc, k_head_rows, k_page_rows = _rows_descriptor(p.k_cache, box)
-    v_desc, v_head_rows, v_page_rows = _rows_descriptor(p.v_cache, box)
+    k_desc, k_head_rows, k_page_rows = rows_descriptor(p.k_cache, box)
+    v_desc, v_head_rows, v_page_rows = rows_descriptor(p.v_cache, box)
     grid, qblock_major = launch_grid(p.batch * num_heads, p.max_q_len)
     context_ws_kernel[grid](
         q_desc, k_desc, v_desc, p.k_tables, p.v_tables, p.seq_lens, p.cu_q, p.out,

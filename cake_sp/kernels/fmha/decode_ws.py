@@ -36,9 +36,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from cake_sp.kernels.fmha import tuning
 from cake_sp.kernels.fmha.context_ws import (
     MIN_BOX,
-    _rows_descriptor,
-    _zero_keys_past,
     load_kv_tiles,
+    rows_descriptor,
+    zero_keys_past,
 )
 from cake_sp.kernels.fmha.problem import PagedAttention
 
@@ -106,7 +106,7 @@ def _consumer(q_ptr, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc_ptr
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         mbarrier.wait(v_ready.index(s), phase)
-        _zero_keys_past(v_bufs.index(s), j0, seq_len, BLOCK_N, D, warps)
+        zero_keys_past(v_bufs.index(s), j0, seq_len, BLOCK_N, D, warps)
         v = v_bufs.index(s).load(b_layout)
         gl.thread_barrier()
         mbarrier.arrive(v_empty.index(s))
@@ -211,8 +211,8 @@ def decode_ws(p: PagedAttention, splits: int, chunk: int, block_m: int, acc: tor
     (and ``p.lse``); the query rows of a KV head in tiles of ``block_m`` rows
     (``decode.block_rows``)."""
     box = box_rows(p.page_size)
-    k_desc, k_head_rows, k_page_rows = _rows_descriptor(p.k_cache, box)
-    v_desc, v_head_rows, v_page_rows = _rows_descriptor(p.v_cache, box)
+    k_desc, k_head_rows, k_page_rows = rows_descriptor(p.k_cache, box)
+    v_desc, v_head_rows, v_page_rows = rows_descriptor(p.v_cache, box)
     lse = p.lse if p.lse is not None else p.out
     decode_ws_kernel[(p.batch * p.num_kv_heads, splits)](
         p.query, k_desc, v_desc, p.k_tables, p.v_tables, p.seq_lens, acc, ml, p.out, lse,
