@@ -135,13 +135,13 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_em
 
 
 @gluon.jit
-def _softmax_step(qk, m_i, l_i, j0, keys, q_pos, kv_len, first_masked, scale_log2,
+def softmax_step(qk, m_i, l_i, j0, keys, q_pos, kv_len, first_masked, scale_log2,
                   CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """Mask one S tile (unscaled logits) and return ``(p, alpha, m_new, l_new)`` of the online
     softmax, whose maxima ``m`` are in scaled (log2) units.  ``scale_log2 > 0`` (``serves``),
     so the scaled row maximum is the scaled maximum of the raw scores, and each probability
     takes one fused multiply-add instead of a multiply before the maximum and a subtraction
-    after it."""
+    after it.  Also ``decode_ws``'s step (``CAUSAL``, ``q_pos`` per row)."""
     if j0 + BLOCK_N > first_masked:
         key = j0 + keys
         ok = key[None, :] < kv_len
@@ -215,7 +215,7 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
     qk = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
     gl.thread_barrier()
     mbarrier.arrive(k_empty.index(0))
-    p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, 0, keys, q_pos, kv_len, first_masked,
+    p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, keys, q_pos, kv_len, first_masked,
                                        scale_log2, CAUSAL, BLOCK_N)
     p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
     for i in range(1, n_tiles):
@@ -231,7 +231,7 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
         gl.thread_barrier()
         mbarrier.arrive(k_empty.index(s))
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, i * BLOCK_N, keys, q_pos, kv_len,
+        p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, i * BLOCK_N, keys, q_pos, kv_len,
                                            first_masked, scale_log2, CAUSAL, BLOCK_N)
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
         gl.thread_barrier()
@@ -374,7 +374,7 @@ def _tma_rows(x: torch.Tensor) -> bool:
 def serves(p: PagedAttention) -> bool:
     """Whether this kernel takes ``p`` (a context call): bf16 query, KV and output, D 64 or
     128, a non-empty query whose token rows TMA reads (``_tma_rows``), no window, sinks or
-    LSE, a positive ``bmm1_scale`` (``_softmax_step``), and pages that hold whole tiles or
+    LSE, a positive ``bmm1_scale`` (``softmax_step``), and pages that hold whole tiles or
     split one evenly into copies of at least ``MIN_BOX`` rows.  The caller also checks the
     device and that TMA can read the caches."""
     page = p.page_size

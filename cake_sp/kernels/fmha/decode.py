@@ -186,13 +186,19 @@ def split_plan(p: PagedAttention) -> tuple[int, int, int]:
     Host values only, so the plan of a captured call never changes on replay.  A call that
     takes ``decode_ws`` splits only keys beyond ``tuning.decode_ws_splits``'s bound.
     """
+    return _plan(p, _warp_specialized_fits(p))
+
+
+def _plan(p: PagedAttention, warp_specialized: bool) -> tuple[int, int, int]:
+    """``split_plan`` for ``p`` taking (``warp_specialized``) or not taking ``decode_ws``."""
     block_n = tuning.decode_block_n(p.k_cache.element_size(), p.query.shape[2])
     tiles = max(1, math.ceil(p.max_kv_len / block_n))
-    if _warp_specialized_fits(p):
-        chunk = math.ceil(tiles / tuning.decode_ws_splits(p.max_kv_len)) * block_n
-        return math.ceil(p.max_kv_len / chunk), chunk, block_n
-    splits = tuning.decode_num_splits(p.batch * p.num_kv_heads, tiles, p.max_kv_len,
-                                      p.k_cache.element_size(), tuning.sm_count(p.query.device))
+    if warp_specialized:
+        splits = tuning.decode_ws_splits(p.max_kv_len)
+    else:
+        splits = tuning.decode_num_splits(p.batch * p.num_kv_heads, tiles, p.max_kv_len,
+                                          p.k_cache.element_size(),
+                                          tuning.sm_count(p.query.device))
     chunk = math.ceil(tiles / splits) * block_n
     return max(1, math.ceil(p.max_kv_len / chunk)), chunk, block_n
 
@@ -213,7 +219,8 @@ def decode_triton(p: PagedAttention) -> None:
     ``decode_ws`` or ``_decode_partial_kernel``, then (more than one split) the combine."""
     ensure_sources_verified()
     num_tokens, num_heads, head_dim = p.query.shape
-    splits, chunk, block_n = split_plan(p)
+    warp_specialized = _warp_specialized_fits(p)
+    splits, chunk, block_n = _plan(p, warp_specialized)
     n_acc = num_tokens * num_heads * splits * head_dim
     scratch = p.workspace[: _partials_bytes(p, splits)].view(torch.float32)
     acc, ml = scratch[:n_acc], scratch[n_acc:]
@@ -222,7 +229,7 @@ def decode_triton(p: PagedAttention) -> None:
     sinks = p.sinks if p.sinks is not None else spare
     lse = p.lse if p.lse is not None else spare
     finalize = splits == 1
-    if _warp_specialized_fits(p):
+    if warp_specialized:
         decode_ws.decode_ws(p, splits, chunk, block_rows(p.group, p.q_len_per_req),
                             spare if finalize else acc, spare if finalize else ml)
     else:

@@ -38,9 +38,11 @@ from cake_sp.kernels.fmha.context_ws import (
     MIN_BOX,
     load_kv_tiles,
     rows_descriptor,
+    softmax_step,
     zero_keys_past,
 )
 from cake_sp.kernels.fmha.problem import PagedAttention
+from cake_sp.kernels.fmha.tiles import LN2
 
 BLOCK_N = 64
 HEAD_DIMS = (64, 128)
@@ -48,7 +50,6 @@ LOADER_REGS = 40
 # Query rows x D of the consumer's accumulator that fit its 128 registers with the K^T and V
 # operands beside them: 32 x 128 (ptxas for sm_90a); 64 rows at D = 128 spilled 1,104 bytes.
 MAX_ACC_VALUES = 32 * 128
-LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
@@ -83,7 +84,7 @@ def _consumer(q_ptr, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc_ptr
     acc = gl.zeros([BLOCK_M, D], gl.float32, mma)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     # Tiles from this key hold keys that some row may not see (past seq_len, or after a query's
-    # own position when a request brings several).
+    # own position when a request brings several); softmax_step masks those.
     first_masked = seq_len - Q_LEN + 1
     for i in range(n_tiles):
         s = i % STAGES
@@ -94,17 +95,8 @@ def _consumer(q_ptr, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc_ptr
         gl.thread_barrier()
         mbarrier.arrive(k_empty.index(s))
         qk = mma_v2(q, k_t, s_zero)
-        if j0 + BLOCK_N > first_masked:
-            key = j0 + keys
-            ok = (key[None, :] < seq_len) & (key[None, :] <= q_pos[:, None])
-            qk = gl.where(ok, qk, float("-inf"))
-        # scale_log2 > 0 (serves): the scaled row maximum is the scaled maximum of the scores.
-        m_new = gl.maximum(m_i, gl.max(qk, axis=1) * scale_log2)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(gl.fma(qk, scale_log2, -m_safe[:, None]))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, j0, keys, q_pos, seq_len, first_masked,
+                                          scale_log2, True, BLOCK_N)
         mbarrier.wait(v_ready.index(s), phase)
         zero_keys_past(v_bufs.index(s), j0, seq_len, BLOCK_N, D, warps)
         v = v_bufs.index(s).load(b_layout)
