@@ -61,19 +61,6 @@ def test_serves_needs_a_positive_scale(problem_of):
     assert not decode_ws.serves(problem)
 
 
-@pytest.mark.parametrize(("programs", "sms", "takes"), [
-    (128, 132, True),      # B = 16, 8 KV heads
-    (105, 132, False),     # short of the grid fraction: the split Triton kernels
-    (8, 132, False),
-    (8, 1, True),
-])
-def test_takes_the_calls_that_fill_the_grid(programs, sms, takes, monkeypatch):
-    monkeypatch.setattr(tuning, "DECODE_WARP_SPECIALIZED", True)
-    assert tuning.decode_ws_takes(programs, sms) is takes
-    monkeypatch.setattr(tuning, "DECODE_WARP_SPECIALIZED", False)
-    assert not tuning.decode_ws_takes(programs, sms)
-
-
 GPU_CASES = [
     # One tile a page, ragged lengths (a request of one key, one of a tile and one more).
     FmhaCase(op="decode", head_dim=128, num_kv_heads=8, group=4, page_size=64,
@@ -121,6 +108,18 @@ def test_matches_the_oracle_and_never_reads_unowned_slots(case, split_keys, monk
 
 @pytest.mark.parametrize(("max_kv_len", "split_keys", "splits"), [
     (8192, 8192, 1), (8193, 8192, 2), (32768, 8192, 4), (1, 8192, 1), (300, 128, 3)])
-def test_splits_bound_the_keys_of_a_program(max_kv_len, split_keys, splits, monkeypatch):
+def test_a_full_grid_splits_only_to_bound_the_keys_of_a_program(max_kv_len, split_keys, splits,
+                                                                 monkeypatch):
     monkeypatch.setattr(tuning, "DECODE_WS_SPLIT_KEYS", split_keys)
-    assert tuning.decode_ws_splits(max_kv_len) == splits
+    tiles = -(-max_kv_len // 64)
+    assert tuning.decode_ws_splits(128, tiles, max_kv_len, 132) == splits  # B = 16, 8 KV heads
+
+
+@pytest.mark.parametrize(("split_keys", "splits"), [(4096, 6), (32, 12)])
+def test_a_small_grid_splits_to_fill_the_program_slots(split_keys, splits, monkeypatch):
+    """2 programs on 4 SMs of 3 program slots each, 6 key tiles: 6 splits fill all 12 slots
+    (2, 3 and 4 splits fill at most half); a tighter key bound still asks for more."""
+    monkeypatch.setattr(tuning, "DECODE_WS_SPLIT_KEYS", split_keys)
+    monkeypatch.setattr(tuning, "DECODE_WS_PROGRAMS_PER_SM", 3)
+    assert tuning.decode_ws_splits(2, 6, 384, 4) == splits
+

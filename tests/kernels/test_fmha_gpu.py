@@ -59,9 +59,10 @@ REAL = [
 @pytest.mark.parametrize("warp_specialized", [True, False])
 @pytest.mark.parametrize("case", REAL, ids=FmhaCase.label)
 def test_real_shapes(case, warp_specialized, monkeypatch):
-    """Also with the warp-specialised context kernel off, so the tl.dot kernel stays tested
-    on the calls the other one serves."""
+    """Also with the warp-specialised kernels off, so the tl.dot kernels stay tested on the
+    calls the others serve."""
     monkeypatch.setattr(tuning, "CONTEXT_WARP_SPECIALIZED", warp_specialized)
+    monkeypatch.setattr(tuning, "DECODE_WARP_SPECIALIZED", warp_specialized)
     _triton_vs_compat(case, monkeypatch, 1)
 
 

@@ -6,8 +6,8 @@ per KV head; it folds its split's keys into a partial ``(acc, m, l)`` in the
 workspace.  A second kernel merges the splits of each (token, head), adds the
 sink, scales by ``bmm2_scale`` and writes ``out`` (and the LSE).  A call of one
 split finalises in the first kernel and launches no second one.  On sm_90 the calls
-whose programs fill the GPU and that ``decode_ws.serves`` accepts take the Gluon partial
-kernel of ``decode_ws.py`` instead (same partials, same combine), in few splits.
+``decode_ws.serves`` accepts take the Gluon partial kernel of ``decode_ws.py`` instead (same
+partials, same combine), in its own splits.
 
 Pseudo-code it equals (per token ``t`` of request ``b``, head ``h``)::
 
@@ -184,7 +184,7 @@ def split_plan(p: PagedAttention) -> tuple[int, int, int]:
     of the key tile ``block_n`` (``tuning.decode_num_splits``).
 
     Host values only, so the plan of a captured call never changes on replay.  A call that
-    takes ``decode_ws`` splits only keys beyond ``tuning.decode_ws_splits``'s bound.
+    takes ``decode_ws`` splits as ``tuning.decode_ws_splits`` says.
     """
     return _plan(p, _warp_specialized_fits(p))
 
@@ -194,7 +194,8 @@ def _plan(p: PagedAttention, warp_specialized: bool) -> tuple[int, int, int]:
     block_n = tuning.decode_block_n(p.k_cache.element_size(), p.query.shape[2])
     tiles = max(1, math.ceil(p.max_kv_len / block_n))
     if warp_specialized:
-        splits = tuning.decode_ws_splits(p.max_kv_len)
+        splits = tuning.decode_ws_splits(p.batch * p.num_kv_heads, tiles, p.max_kv_len,
+                                         tuning.sm_count(p.query.device))
     else:
         splits = tuning.decode_num_splits(p.batch * p.num_kv_heads, tiles, p.max_kv_len,
                                           p.k_cache.element_size(),
@@ -247,12 +248,11 @@ def decode_triton(p: PagedAttention) -> None:
 
 
 def _warp_specialized_fits(p: PagedAttention) -> bool:
-    """Whether ``p`` takes ``decode_ws``: an sm_90 GPU, a grid it fills
-    (``tuning.decode_ws_takes``), a call it serves, TMA-readable caches."""
-    return (decode_ws is not None and not INTERPRET and p.query.device.type == "cuda"
-            and tuning.decode_ws_takes(p.batch * p.num_kv_heads, tuning.sm_count(p.query.device))
-            and wgmma_supported(p.query.device.index) and decode_ws.serves(p)
-            and tma_fits(p, decode_ws.box_rows(p.page_size)))
+    """Whether ``p`` takes ``decode_ws`` (``tuning.DECODE_WARP_SPECIALIZED``): an sm_90 GPU,
+    a call it serves, TMA-readable caches."""
+    return (decode_ws is not None and tuning.DECODE_WARP_SPECIALIZED and not INTERPRET
+            and p.query.device.type == "cuda" and wgmma_supported(p.query.device.index)
+            and decode_ws.serves(p) and tma_fits(p, decode_ws.box_rows(p.page_size)))
 
 
 def _decode_partial(p: PagedAttention, splits: int, chunk: int, block_n: int, acc: torch.Tensor,

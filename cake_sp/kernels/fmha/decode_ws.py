@@ -1,6 +1,5 @@
 """The warp-specialised split-KV decode kernel for sm_90a (Gluon): the partial kernel of
-``decode_triton_v1`` for the calls whose (request, KV head) programs fill the GPU
-(``tuning.decode_ws_takes``) and that it serves (:func:`serves`).
+``decode_triton_v1`` for the calls it serves (:func:`serves`).
 
 ``decode.py``'s partial kernel issues its page lookups, its K/V loads and its dots from the
 same warps, and Triton's pipeliner gives each load one shared-memory buffer, so a program has
@@ -16,7 +15,9 @@ hence many splits, to keep HBM busy.  Here a program (same grid and partials as
   ``S = Q K^T``, the online softmax, ``O += P V``, releasing each slot as soon as its operand
   is in registers; then the partial ``(acc, m, l)`` or, for one split, ``out``.
 
-Splits are few (``tuning.decode_ws_splits``: at most 4,096 keys each).  Semantics are
+Splits are few (``tuning.decode_ws_splits``): as many as keep each within 4,096 keys, or,
+when the (request, KV head) programs are too few to fill the SMs, as many as fill 3 programs
+an SM.  Semantics are
 ``decode.py``'s, restricted to what :func:`serves` accepts.  Keys past the request's length
 in its last tile are masked out of ``S`` and their V rows zeroed in shared memory before
 ``P V``, so whatever the cache holds there, even NaN, never reaches the output.  Never runs in

@@ -26,11 +26,16 @@ DECODE_NUM_STAGES = 3
 DECODE_WIDE_NUM_STAGES = 2
 DECODE_WIDE_MIN_BATCH = 16
 DECODE_WIDE_FP8_MIN_KEYS = 4096
-# The warp-specialised Gluon kernel (decode_ws.py): its ring of K/V slots and its register
-# bound, which lets 3 programs of 5 warps share an SM (2 stages: 66 KiB of shared memory each).
+# The warp-specialised Gluon kernel (decode_ws.py) for every bf16 call it serves: its ring of
+# K/V slots and its register bound, which lets 3 programs of 5 warps share an SM (2 stages:
+# 66 KiB of shared memory each).  On an H200 (bf16, GQA 32/8 and 64/8, pages of 64, equal
+# lengths) it took B = 16-256 with 8k-32k keys from 0.94-0.99x cuDNN's speed (the split Triton
+# kernels) to 0.97-1.01x, B = 16 with 1k keys from 0.82-0.85x to 1.00x, and B = 1 from
+# 0.94-0.98x to 0.95-1.02x; 2 ring stages beat 3 and 4 by 1-4 % (docs/results.md).
 DECODE_WARP_SPECIALIZED = True
 DECODE_WS_STAGES = 2
 DECODE_WS_MAX_REGISTERS = 128
+DECODE_WS_PROGRAMS_PER_SM = 3
 # Most keys one program of decode_ws folds (decode_ws_splits).
 DECODE_WS_SPLIT_KEYS = 4096
 # Split-KV (decode_num_splits).
@@ -135,30 +140,29 @@ def decode_num_splits(programs: int, key_tiles: int, max_kv_len: int, kv_element
     return splits
 
 
-def decode_ws_takes(programs: int, num_sms: int) -> bool:
-    """Whether a decode call of ``programs`` = B x Hkv goes to ``decode_ws`` (split only as
-    ``decode_ws_splits`` asks): when they fill ``DECODE_FULL_GRID`` of the SMs once.
+def decode_ws_splits(programs: int, key_tiles: int, max_kv_len: int, num_sms: int) -> int:
+    """Splits of each (request, KV head) in a ``decode_ws`` call of ``programs`` = B x Hkv
+    programs over ``key_tiles`` tiles of the longest request: the more of two counts.
 
-    On an H200 (bf16, GQA 32/8 and 64/8, pages of 64, batches of equal lengths) it took
-    B = 16-256 with 8k-32k keys from 0.94-0.99x cuDNN's speed (the split Triton kernels) to
-    0.97-1.01x, B = 16 with 1k keys from 0.82-0.85x to 1.00x; 2 ring stages beat 3 and 4 by
-    1-4 %.  On fewer programs (B = 1 with 8 KV heads) it was within a few per cent of the
-    Triton kernels either way (docs/results.md), so those keep them."""
-    return DECODE_WARP_SPECIALIZED and programs >= DECODE_FULL_GRID * num_sms
-
-
-def decode_ws_splits(max_kv_len: int) -> int:
-    """Splits of each (request, KV head) in a ``decode_ws`` call: as few as keep every split
-    within ``DECODE_WS_SPLIT_KEYS`` keys.
-
-    The plan sees only the longest request, and an unsplit long request among short ones is
-    one SM's work while the others idle.  On an H200 (bf16, GQA 32/8, B = 16-64, up to 32k
-    keys) splits of at most 4,096 keys took 0.16-0.87x the split Triton kernels' time on
-    batches of random lengths or one long request among short ones, where one split took
-    0.46-1.26x and splits of 8,192 keys 0.20-1.07x; on batches of equal lengths they took
-    1.02-1.03x one split's time (0.97-1.01x cuDNN's speed from 16 requests, 8k-32k keys;
-    docs/results.md)."""
-    return max(1, -(-max_kv_len // DECODE_WS_SPLIT_KEYS))
+    * As few as keep every split within ``DECODE_WS_SPLIT_KEYS`` keys.  The plan sees only
+      the longest request, and an unsplit long request among short ones is one SM's work
+      while the others idle.  On an H200 (bf16, GQA 32/8, B = 16-64, up to 32k keys) splits of
+      at most 4,096 keys took 0.16-0.87x the split Triton kernels' time on batches of random
+      lengths or one long request among short ones, where one split took 0.46-1.26x and
+      splits of 8,192 keys 0.20-1.07x; on batches of equal lengths they took 1.02-1.03x one
+      split's time (docs/results.md).
+    * One when the programs alone fill ``DECODE_FULL_GRID`` of the SMs (a program keeps its
+      SM's share of HBM busy: more splits there took 1-4 % longer), else the fewest that fill
+      ``DECODE_WS_PROGRAMS_PER_SM`` programs an SM: few programs (B = 1 with 8 KV heads) want
+      many short loops in flight.
+    """
+    bounded = -(-max_kv_len // DECODE_WS_SPLIT_KEYS)
+    filling = 1
+    if programs < DECODE_FULL_GRID * num_sms:
+        filling = _fewest_filling_splits(programs, key_tiles,
+                                         DECODE_WS_PROGRAMS_PER_SM * num_sms, 1,
+                                         DECODE_MAX_SPLITS, 1.0, DECODE_WAVE_FILL_MARGIN)
+    return max(1, bounded, filling)
 
 
 def decode_num_stages(batch: int, max_kv_len: int, kv_element_size: int) -> int:
