@@ -120,6 +120,14 @@ def test_a_small_grid_splits_to_fill_the_program_slots(split_keys, splits, monke
     """2 programs on 4 SMs of 3 program slots each, 6 key tiles: 6 splits fill all 12 slots
     (2, 3 and 4 splits fill at most half); a tighter key bound still asks for more."""
     monkeypatch.setattr(tuning, "DECODE_WS_SPLIT_KEYS", split_keys)
-    monkeypatch.setattr(tuning, "DECODE_WS_PROGRAMS_PER_SM", 3)
+    monkeypatch.setattr(tuning, "DECODE_WS_FILL_PROGRAMS_PER_SM", 3)
     assert tuning.decode_ws_splits(2, 6, 384, 4) == splits
+
+
+@pytest.mark.parametrize(("programs", "max_kv_len", "splits"), [
+    (8, 1024, 16), (8, 8192, 16), (8, 32768, 16), (32, 8192, 4), (32, 32768, 8)])
+def test_few_requests_split_to_give_each_sm_one_program(programs, max_kv_len, splits):
+    """B = 1 and 4 with 8 KV heads on 132 SMs: 16 and 4 splits fill 128 of 132 program slots
+    (4 splits of B = 4 at 32k keys would pass 4,096 keys each: 8)."""
+    assert tuning.decode_ws_splits(programs, -(-max_kv_len // 64), max_kv_len, 132) == splits
 

@@ -16,8 +16,8 @@ hence many splits, to keep HBM busy.  Here a program (same grid and partials as
   is in registers; then the partial ``(acc, m, l)`` or, for one split, ``out``.
 
 Splits are few (``tuning.decode_ws_splits``): as many as keep each within 4,096 keys, or,
-when the (request, KV head) programs are too few to fill the SMs, as many as fill 3 programs
-an SM.  Semantics are
+when the (request, KV head) programs are too few to fill the SMs, as many as give every SM
+one.  Semantics are
 ``decode.py``'s, restricted to what :func:`serves` accepts.  Keys past the request's length
 in its last tile are masked out of ``S`` and their V rows zeroed in shared memory before
 ``P V``, so whatever the cache holds there, even NaN, never reaches the output.  Never runs in

@@ -35,7 +35,11 @@ DECODE_WIDE_FP8_MIN_KEYS = 4096
 DECODE_WARP_SPECIALIZED = True
 DECODE_WS_STAGES = 2
 DECODE_WS_MAX_REGISTERS = 128
-DECODE_WS_PROGRAMS_PER_SM = 3
+# Grids of too few (request, KV head) programs split until they fill this many programs an SM
+# (decode_ws_splits): one.  Its loader keeps an SM's share of HBM busy alone; on an H200 (GQA
+# 32/8 and 64/8, B = 1 and 4, 1k-32k keys) filling 1 took 0.90-1.01x the time of filling 3, and
+# 0.98-1.02x that of filling 2 but on one row (docs/results.md).
+DECODE_WS_FILL_PROGRAMS_PER_SM = 1
 # Most keys one program of decode_ws folds (decode_ws_splits).
 DECODE_WS_SPLIT_KEYS = 4096
 # Split-KV (decode_num_splits).
@@ -153,14 +157,13 @@ def decode_ws_splits(programs: int, key_tiles: int, max_kv_len: int, num_sms: in
       split's time (docs/results.md).
     * One when the programs alone fill ``DECODE_FULL_GRID`` of the SMs (a program keeps its
       SM's share of HBM busy: more splits there took 1-4 % longer), else the fewest that fill
-      ``DECODE_WS_PROGRAMS_PER_SM`` programs an SM: few programs (B = 1 with 8 KV heads) want
-      many short loops in flight.
+      ``DECODE_WS_FILL_PROGRAMS_PER_SM`` programs an SM (B = 1 with 8 KV heads: 16 splits).
     """
     bounded = -(-max_kv_len // DECODE_WS_SPLIT_KEYS)
     filling = 1
     if programs < DECODE_FULL_GRID * num_sms:
         filling = _fewest_filling_splits(programs, key_tiles,
-                                         DECODE_WS_PROGRAMS_PER_SM * num_sms, 1,
+                                         DECODE_WS_FILL_PROGRAMS_PER_SM * num_sms, 1,
                                          DECODE_MAX_SPLITS, 1.0, DECODE_WAVE_FILL_MARGIN)
     return max(1, bounded, filling)
 
