@@ -46,6 +46,26 @@ Q_SCALE_PAD = 128
 
 
 @triton.jit
+def _store_row_values(ptrs, values, mask, INTERPRET: tl.constexpr):
+    """Store one fp32 value a tile row (``[BLOCK_M]`` pointers, values and mask, as a row
+    reduction of the tile leaves them) where ``mask``.
+
+    ``tl.store`` gives a ``[BLOCK_M]`` store a layout of its own, one row a lane, and moving
+    the rows there crosses warps: Triton then rebuilt the request scan of ``tile_program``
+    in that layout, 5-13 shared-memory barriers a program (ptxas for sm_90a, 2 and 4 warps)
+    where the static-scale kernel has 0-3.  The store as elementwise PTX keeps the rows where
+    the reduction left them: the lanes that share a row store the same value to the same
+    address, one transaction.  The interpreter runs no PTX."""
+    if INTERPRET:
+        tl.store(ptrs, values, mask=mask)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,f,r", [ptrs.to(tl.int64, bitcast=True), values, mask.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _qk_rope_fp8_append_kernel(
     qkv_ptr, cos_sin_ptr, seq_lens_ptr, q_indptr_ptr, page_indices_ptr,
     k_cache_ptr, v_cache_ptr, out_q_ptr, out_k_ptr, out_v_ptr,
@@ -106,7 +126,8 @@ def _qk_rope_fp8_append_kernel(
                         s_off = req.to(tl.int64) * stride_sb + r * stride_st
                     else:
                         s_off = tok.to(tl.int64) * stride_st
-                    tl.store(q_scale_ptr + s_off + slot * stride_sh, scale, mask=tok_ok)
+                    _store_row_values(q_scale_ptr + s_off + slot * stride_sh, scale, tok_ok,
+                                      INTERPRET)
                 else:
                     q_scale_inv = tl.load(q_scale_inv_ptr)
                     q_lo = round_to_fp8e4m3(y_lo * q_scale_inv, INTERPRET)

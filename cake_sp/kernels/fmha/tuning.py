@@ -37,8 +37,8 @@ DECODE_WS_STAGES = 2
 DECODE_WS_MAX_REGISTERS = 128
 # Grids of too few (request, KV head) programs split until they fill this many programs an SM
 # (decode_ws_splits): one.  Its loader keeps an SM's share of HBM busy alone; on an H200 (GQA
-# 32/8 and 64/8, B = 1 and 4, 1k-32k keys) filling 1 took 0.90-1.01x the time of filling 3, and
-# 0.98-1.02x that of filling 2 but on one row (docs/results.md).
+# 32/8 and 64/8, B = 1 and 4, 1k-32k keys) filling 1 took 0.90-1.01x the time of filling 3 and
+# 0.97-1.01x that of filling 2 (docs/results.md).
 DECODE_WS_FILL_PROGRAMS_PER_SM = 1
 # Most keys one program of decode_ws folds (decode_ws_splits).
 DECODE_WS_SPLIT_KEYS = 4096
