@@ -227,6 +227,10 @@ def case_torch_compile_fullgraph(ctx):
     forward and backward equal to eager bit for bit, with ``inductor`` within bf16 noise;
     compiled steps beyond ``num_slots`` and compiled calls without grad leave no lease; two
     compiled checkpointed forwards run on the one slot."""
+    if TEST_DEVICE == "cpu" and ctx.world_size == 8:
+        # Eight ranks tracing on a two-core CI machine took 390 s of the W = 8 group's 600 s
+        # limit; the compiled graphs are the same at W = 2 and 4, which run there.
+        return {"skipped": "on CPUs at W = 2 and 4 only (eight ranks tracing take minutes)"}
     hq, hkv = _heads(ctx.world_size, "gqa_split")
     layer = _build(ctx, hq, hkv, qkv_bias=True, o_bias=True)
     problem = make_layer_problem(61, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
