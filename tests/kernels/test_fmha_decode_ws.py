@@ -130,4 +130,3 @@ def test_few_requests_split_to_give_each_sm_one_program(programs, max_kv_len, sp
     """B = 1 and 4 with 8 KV heads on 132 SMs: 16 and 4 splits fill 128 of 132 program slots
     (4 splits of B = 4 at 32k keys would pass 4,096 keys each: 8)."""
     assert tuning.decode_ws_splits(programs, -(-max_kv_len // 64), max_kv_len, 132) == splits
-
