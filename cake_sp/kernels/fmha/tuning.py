@@ -40,7 +40,10 @@ DECODE_WS_MAX_REGISTERS = 128
 # 32/8 and 64/8, B = 1 and 4, 1k-32k keys) filling 1 took 0.90-1.01x the time of filling 3 and
 # 0.97-1.01x that of filling 2 (docs/results.md).
 DECODE_WS_FILL_PROGRAMS_PER_SM = 1
-# Most keys one program of decode_ws folds (decode_ws_splits).
+# Most keys one program of decode_ws folds (decode_ws_splits).  A persistent grid giving every
+# SM an equal share of all (request, KV head)'s tiles, which needs no such bound, ran 1.25-1.28x
+# faster with one long request among short ones but at 0.79-1.01x the split grid's speed on
+# equal lengths (docs/results.md, "A persistent stream-K decode grid"): not used.
 DECODE_WS_SPLIT_KEYS = 4096
 # Split-KV (decode_num_splits).
 DECODE_MAX_SPLITS = 64
