@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from _fmha_cases import FmhaCase, call, make_call, one_thread
+
+from cake_sp.kernels.fmha import api
 
 DECODE = FmhaCase(kv_lens=(3, 20), q_lens=(1, 1))
 CONTEXT = FmhaCase(op="context", kv_lens=(6, 9), q_lens=(2, 9))
@@ -95,3 +99,26 @@ def test_returns_and_defaults(case):
     given = torch.full_like(lse, float("nan"))
     out3 = call(case, dict(kw, lse=given))
     assert torch.equal(out3, out) and torch.equal(given, lse)
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_workspace_too_small_for_the_triton_route_warns_as_it_falls_back(fits, monkeypatch):
+    """Only the workspace decides here: the route is what the capability matrix plans, or the
+    compat one with a RuntimeWarning naming both sizes; no kernel runs (the runners record)."""
+    monkeypatch.delenv("CAKE_SP_FMHA_ROUTE")
+    monkeypatch.setattr(api, "INTERPRET", True)  # Triton "runs" on these CPU tensors
+    need = 1 << 20
+    monkeypatch.setattr(api, "decode_workspace_bytes", lambda problem: need)
+    ran = []
+    for route in list(api._RUNNERS):
+        monkeypatch.setitem(api._RUNNERS, route, lambda problem, route=route: ran.append(route))
+    kw = _kw(workspace_buffer=torch.empty(need if fits else need - 1, dtype=torch.uint8))
+    if fits:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            call(DECODE, kw)
+        assert ran == [api.DECODE_TRITON]
+    else:
+        with pytest.warns(RuntimeWarning, match=rf"holds {need - 1} bytes.*needs {need}"):
+            call(DECODE, kw)
+        assert ran == [api.COMPAT]

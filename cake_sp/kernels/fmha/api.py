@@ -25,6 +25,7 @@ scale into ``bmm2_scale``; the query stays bf16/fp16.
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any
 
 import torch
@@ -239,6 +240,15 @@ def _run(problem: PagedAttention, cell: Cell, return_lse: bool):
     if cell.op == "decode" and block_rows(problem.group, problem.q_len_per_req) <= DECODE_MAX_ROWS:
         workspace_ok = problem.workspace.numel() >= decode_workspace_bytes(problem)
     route, _ = choose_route(cell, workspace_ok=workspace_ok, triton_runs=triton_runs)
+    planned, _ = choose_route(cell, workspace_ok=True, triton_runs=triton_runs)
+    if route == COMPAT and planned != COMPAT:
+        # The workspace alone sent the call to the compat route: a cliff worth a word.
+        warnings.warn(
+            f"workspace_buffer holds {problem.workspace.numel()} bytes, the Triton decode route "
+            f"needs {decode_workspace_bytes(problem)} for its split-KV partials: this call takes "
+            f"the compat route, which gathers the keys in torch (far slower, and memory in "
+            f"proportion to the cache). Pass a larger workspace_buffer, or set "
+            f"CAKE_SP_FMHA_ROUTE=triton to make this an error.", RuntimeWarning, stacklevel=3)
     _RUNNERS[route](problem)
     return (problem.out, problem.lse) if return_lse else problem.out
 
@@ -274,7 +284,8 @@ def batch_decode_with_kv_cache(
         or K and V ``[pages, Hkv, page_size, D]`` / ``[pages, page_size, Hkv, D]``;
         query dtype or float8_e4m3fn; ``Hq / Hkv`` in 1..16; any page size.
     workspace_buffer : Tensor, contiguous, any dtype
-        Scratch for the split-KV partials; too small a buffer falls back to ``compat_v1``.
+        Scratch for the split-KV partials; too small a buffer falls back to ``compat_v1``
+        with a ``RuntimeWarning``.
     block_tables : Tensor ``[B, max_pages]`` int32/int64, or ``[B, 2, max_pages]`` (K, V)
         when ``uses_shared_paged_kv_idx=False``.
     seq_lens : Tensor ``[B]`` int32/int64
