@@ -42,6 +42,7 @@ from cake_sp.kernels.fmha.selector import (
     CONTEXT_TRITON,
     DECODE_TRITON,
     MAX_GROUP,
+    SHORT_WORKSPACE,
     VALID_HEAD_DIMS,
     Cell,
     choose_route,
@@ -236,16 +237,16 @@ def _prepare(op: str, query, kv_cache, workspace_buffer, block_tables, seq_lens,
 
 def _run(problem: PagedAttention, cell: Cell, return_lse: bool):
     triton_runs = problem.query.is_cuda or (problem.query.device.type == "cpu" and INTERPRET)
-    workspace_ok = True
+    need = 0
     if cell.op == "decode" and block_rows(problem.group, problem.q_len_per_req) <= DECODE_MAX_ROWS:
-        workspace_ok = problem.workspace.numel() >= decode_workspace_bytes(problem)
-    route, _ = choose_route(cell, workspace_ok=workspace_ok, triton_runs=triton_runs)
-    planned, _ = choose_route(cell, workspace_ok=True, triton_runs=triton_runs)
-    if route == COMPAT and planned != COMPAT:
+        need = decode_workspace_bytes(problem)
+    route, reason = choose_route(cell, workspace_ok=problem.workspace.numel() >= need,
+                                 triton_runs=triton_runs)
+    if reason == SHORT_WORKSPACE:
         # The workspace alone sent the call to the compat route: a cliff worth a word.
         warnings.warn(
             f"workspace_buffer holds {problem.workspace.numel()} bytes, the Triton decode route "
-            f"needs {decode_workspace_bytes(problem)} for its split-KV partials: this call takes "
+            f"needs {need} for its split-KV partials: this call takes "
             f"the compat route, which gathers the keys in torch (far slower, and memory in "
             f"proportion to the cache). Pass a larger workspace_buffer, or set "
             f"CAKE_SP_FMHA_ROUTE=triton to make this an error.", RuntimeWarning, stacklevel=3)

@@ -127,6 +127,10 @@ def route_override() -> str:
     return value
 
 
+# choose_route's reason when the workspace alone keeps a call off its Triton route.
+SHORT_WORKSPACE = "workspace_buffer is too small for the split-KV partials"
+
+
 def choose_route(cell: Cell, *, workspace_ok: bool, triton_runs: bool) -> tuple[str, str]:
     """Pick the route of one valid call; returns ``(route, reason)``.
 
@@ -153,7 +157,7 @@ def choose_route(cell: Cell, *, workspace_ok: bool, triton_runs: bool) -> tuple[
     elif not triton_runs:
         reason = "tensors are on a device Triton cannot launch on"
     elif not workspace_ok:
-        reason = "workspace_buffer is too small for the split-KV partials"
+        reason = SHORT_WORKSPACE
     else:
         return planned, "capability matrix"
     if override == "triton":
