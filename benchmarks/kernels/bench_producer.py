@@ -20,24 +20,35 @@ pointer table of W buffers, so the stores cost HBM bandwidth, not NVLink):
 * ``cublas_fp32``: the GEMM alone with an fp32 output (the cuBLAS engine's first step);
 * ``cublas_engine``: the session's second engine
   (``producer_cublas.qkv_norm_rope_produce_cublas``): ``cublas_fp32``, then one Triton
-  epilogue kernel.
+  epilogue kernel;
+* ``unfused``: what the per-operator baselines compute before their exchange, a cuBLAS
+  GEMM with the bias (bf16 out) and then their one QK-norm + RoPE launch in place
+  (``benchmarks/comm/_norm_rope_op.py``), writing no destination: the pairing the fused
+  producer must beat.
 
 Per row the table prints every engine arm's time over ``cublas``, the arm the
 session's choice takes (``_config.producer_engine``, then the launcher's default
 mainloop) and its time over the fastest engine arm of the row.
 
-The eager arm is a baseline: a check of it that fails is recorded in the row
-(``eager_check``) and the arm still timed; every other arm must pass.
+The eager and unfused arms are baselines: a check of one that fails is recorded in the
+row (``baseline_checks``) and the arm still timed; every other arm must pass.
 
 Each arm is checked against the fp32 reference (``cake_sp.reference``) on the
-first ``--check-rows`` rows, atol = rtol = 1e-2, before it is timed; the eager
-arm against the same steps from a bf16-rounded projection, which is its math.  Each
+first ``--check-rows`` rows, atol = rtol = 1e-2, before it is timed; the eager and
+unfused arms against the same steps from a bf16-rounded projection, which is their math.  Each
 arm is captured once in a CUDA graph and timed in ``--rounds`` rounds, each the median of
 ``triton.testing.do_bench`` over replays (L2 flushed before every replay), the arms in
 rotated order from round to round; an arm's time is the median of its rounds (the JSON
 keeps every round).  The host's launch cost is left out of every arm; inputs fresh
 random per row.
 ``TFLOP/s`` counts the projection's ``2 * rows * N * hidden``.
+
+``--energy-ms T`` (0: off) also runs every arm, in every round right after its timing,
+for about ``T`` ms of back-to-back replays and reads the board's energy counter, power
+and SM clock over them (``_power.BoardMeter``, NVML): the GPU sits at its power limit on
+these shapes, so an arm's time over cuBLAS's is partly its energy over cuBLAS's, paid in
+clock.  The second table prints, per arm, its energy per call over cuBLAS's and its
+median power and SM clock.  The bursts do not flush L2 between calls.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=["warp_specialized", "tma"], help="comma list of producer "
                    "mainloops to time side by side (producer.MAINLOOPS); the pick's is added "
                    "when missing")
+    p.add_argument("--energy-ms", type=int, default=0,
+                   help="per arm and round, ms of replays over which NVML's energy counter, "
+                   "power and SM clock are read (0: not measured)")
     p.add_argument("--json", metavar="PATH", help="also write rows and environment here")
     return p.parse_args(argv)
 
@@ -174,6 +189,25 @@ def cublas_arm(p: dict) -> tuple[Callable[[], None], torch.Tensor]:
     return run, out
 
 
+def unfused_arm(p: dict) -> tuple[Callable[[], None], torch.Tensor]:
+    """The baselines' compute (``benchmarks/comm/arms.project_norm_rope``, with the bias):
+    cuBLAS bf16 out, then their one QK-norm + RoPE launch in place; returns the run and
+    its ``[rows, heads, D]`` output."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "comm"))
+    from _norm_rope_op import qk_norm_rope_
+
+    plan, rows = p["plan"], p["rows"]
+    out = torch.empty(rows, plan.total_heads, HEAD_DIM, dtype=torch.bfloat16,
+                      device=p["x"].device)
+
+    def run():
+        torch.addmm(p["bias"], p["x"], p["weight"].T, out=out.view(rows, -1))
+        qk_norm_rope_(out.view(1, rows, -1, HEAD_DIM), p["q_norm"], p["k_norm"], p["cos_sin"],
+                      num_q=plan.num_q_heads, num_k=plan.num_kv_heads,
+                      rope_style=p["rope_style"], eps=EPS)
+    return run, out
+
+
 def eager_arm(p: dict) -> Callable[[], None]:
     from cake_sp.layouts import KIND_K, KIND_Q
 
@@ -253,6 +287,20 @@ def check_buffers(p: dict, ref: dict[str, torch.Tensor], rows: int, arm: str) ->
                 max_flip_fraction=1e-4 if arm == "eager" else 1e-5)
 
 
+def check_heads(p: dict, out: torch.Tensor, ref: dict[str, torch.Tensor], rows: int,
+                arm: str) -> None:
+    """``out [rows, heads, D]`` (Q, K, V heads in projection order) against ``ref``, with the
+    bf16-rounded projection's tolerance (the eager arm's)."""
+    from cake_sp.testing import assert_close_counting_flips
+
+    hq, hkv = p["plan"].num_q_heads, p["plan"].num_kv_heads
+    for name, heads in (("q", out[:rows, :hq]), ("k", out[:rows, hq: hq + hkv]),
+                        ("v", out[:rows, hq + hkv:])):
+        assert_close_counting_flips(heads, ref[name], what=f"{arm}: {name}",
+                                    rope_style=None if name == "v" else p["rope_style"],
+                                    intermediate_roundings=3, max_flip_fraction=1e-4)
+
+
 def check_projection(p: dict, out: torch.Tensor, rows: int) -> None:
     expected = p["x"][:rows].float() @ p["weight"].float().T
     torch.testing.assert_close(out[:rows].float(), expected, **TOLERANCE)
@@ -262,26 +310,34 @@ def check_projection(p: dict, out: torch.Tensor, rows: int) -> None:
 
 
 def checked_front_ends(p: dict, check_rows: int, mainloops: list[str]
-                       ) -> tuple[dict[str, Callable[[], None]], str]:
-    """The producer arms, the cuBLAS engine and the eager arm, each run once into
-    NaN-poisoned buffers and checked against the reference; returns them and the eager
-    arm's check (``"passed"`` or its failure)."""
+                       ) -> tuple[dict[str, Callable[[], None]], dict[str, str]]:
+    """The producer arms, the cuBLAS engine and the two baselines, each run once into
+    NaN-poisoned buffers and checked against the reference; returns them and the
+    baselines' checks (``"passed"`` or the failure)."""
     arms = {f"producer_{m}": producer_arm(p, m) for m in mainloops}
     arms["cublas_engine"] = cublas_engine_arm(p)
     arms["eager"] = eager_arm(p)
-    eager_check = "passed"
+    arms["unfused"], unfused_out = unfused_arm(p)
+    checks = {}
     for name, fn in arms.items():
-        for b in p["buffers"]:
+        for b in (*p["buffers"], unfused_out):
             b.fill_(float("nan"))
         fn()
-        ref = reference_heads(p, check_rows, round_projection=name == "eager")
+        baseline = name in ("eager", "unfused")
+        ref = reference_heads(p, check_rows, round_projection=baseline)
         try:
-            check_buffers(p, ref, check_rows, name)
+            if name == "unfused":
+                check_heads(p, unfused_out, ref, check_rows, name)
+            else:
+                check_buffers(p, ref, check_rows, name)
         except AssertionError as exc:
-            if name != "eager":
+            if not baseline:
                 raise
-            eager_check = str(exc)
-    return arms, eager_check
+            checks[name] = str(exc)
+        else:
+            if baseline:
+                checks[name] = "passed"
+    return arms, checks
 
 
 def picked_arm(p: dict) -> str:
@@ -298,21 +354,31 @@ def picked_arm(p: dict) -> str:
                                          _config.PRODUCER_BLOCK_M, on_gpu=True)
 
 
-def timed(arms: dict[str, Callable[[], None]], args) -> dict[str, list[float]]:
-    """Per arm, ``args.rounds`` medians of ``triton.testing.do_bench`` over graph replays; the
-    rounds visit the arms in rotated order, every other one reversed, so drift in the GPU's
-    clock spreads over all arms."""
+def timed(arms: dict[str, Callable[[], None]], args
+          ) -> tuple[dict[str, list[float]], dict[str, list[dict]]]:
+    """Per arm, ``args.rounds`` medians of ``triton.testing.do_bench`` over graph replays, and
+    with ``--energy-ms`` as many board readings (``_power.BoardMeter.burst``); the rounds
+    visit the arms in rotated order, every other one reversed, so drift in the GPU's clock
+    spreads over all arms."""
     import triton.testing
 
+    meter = None
+    if args.energy_ms > 0:
+        from _power import BoardMeter
+        meter = BoardMeter()
     graphs = {name: graphed(fn) for name, fn in arms.items()}
     names = list(graphs)
     samples = {name: [] for name in names}
+    board = {name: [] for name in names}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order[::-1] if r % 2 else order:
-            samples[name].append(triton.testing.do_bench(
-                graphs[name], warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median"))
-    return samples
+            ms = triton.testing.do_bench(graphs[name], warmup=args.warmup_ms, rep=args.rep_ms,
+                                         return_mode="median")
+            samples[name].append(ms)
+            if meter is not None:
+                board[name].append(meter.burst(graphs[name], max(1, round(args.energy_ms / ms))))
+    return samples, board
 
 
 def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
@@ -326,18 +392,28 @@ def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
     mainloops = list(args.mainloops)
     if picked.startswith("producer_") and picked[len("producer_"):] not in mainloops:
         mainloops.append(picked[len("producer_"):])
-    front_ends, eager_check = checked_front_ends(p, check_rows, mainloops)
-    samples = timed(dict(cublas=cublas, cublas_fp32=cublas_fp32_arm(p), **front_ends), args)
+    front_ends, baseline_checks = checked_front_ends(p, check_rows, mainloops)
+    samples, board = timed(dict(cublas=cublas, cublas_fp32=cublas_fp32_arm(p), **front_ends),
+                           args)
     ms = {name: statistics.median(v) for name, v in samples.items()}
+    energy = {}
+    if args.energy_ms > 0:
+        mj = {name: statistics.median(b["mj_per_call"] for b in v) for name, v in board.items()}
+        energy = {name: dict(mj_per_call=mj[name], over_cublas=mj[name] / mj["cublas"],
+                             watts=statistics.median(b["watts"] for b in v),
+                             sm_mhz=statistics.median(b["sm_mhz"] for b in v))
+                  for name, v in board.items()}
     engines = [*(f"producer_{m}" for m in mainloops), "cublas_engine"]
     flop = 2 * rows * p["weight"].shape[0] * hidden
     return dict(world=world, hidden=hidden, seq_global=seq_global, rows=rows,
                 q_heads=p["plan"].num_q_heads, kv_heads=p["plan"].num_kv_heads, ms=ms,
                 samples=samples, over_cublas={a: ms[a] / ms["cublas"] for a in engines},
-                eager_check=eager_check, picked=picked,
+                unfused_over_cublas=ms["unfused"] / ms["cublas"],
+                baseline_checks=baseline_checks, picked=picked,
                 picked_over_cublas=ms[picked] / ms["cublas"],
                 picked_over_best=ms[picked] / min(ms[a] for a in engines),
                 eager_over_picked=ms["eager"] / ms[picked],
+                unfused_over_picked=ms["unfused"] / ms[picked], energy=energy, board=board,
                 picked_tflops=flop / ms[picked] / 1e9, cublas_tflops=flop / ms["cublas"] / 1e9)
 
 
@@ -345,17 +421,29 @@ def markdown(rows: list[dict]) -> str:
     engines = list(rows[0]["over_cublas"]) if rows else []
     head = (["W", "hidden", "Hq/Hkv", "S_global", "rows", "cublas ms"]
             + [f"{a} / cublas" for a in engines]
-            + ["picked", "picked / cublas", "picked / best", "eager / picked",
-               "picked TFLOP/s", "cublas TFLOP/s"])
+            + ["picked", "picked / cublas", "picked / best", "unfused / cublas",
+               "unfused / picked", "eager / picked", "picked TFLOP/s", "cublas TFLOP/s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = ([r["world"], r["hidden"], f"{r['q_heads']}/{r['kv_heads']}", r["seq_global"],
                   r["rows"], f"{r['ms']['cublas']:.3f}"]
                  + [f"{r['over_cublas'].get(a, float('nan')):.3f}" for a in engines]
                  + [r["picked"], f"{r['picked_over_cublas']:.3f}",
-                    f"{r['picked_over_best']:.3f}", f"{r['eager_over_picked']:.2f}",
+                    f"{r['picked_over_best']:.3f}", f"{r['unfused_over_cublas']:.3f}",
+                    f"{r['unfused_over_picked']:.3f}", f"{r['eager_over_picked']:.2f}",
                     f"{r['picked_tflops']:.0f}", f"{r['cublas_tflops']:.0f}"])
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    if rows and rows[0]["energy"]:
+        arms = list(rows[0]["energy"])
+        head = ["W", "hidden", "rows", "cublas mJ"] + [f"{a}: energy / cublas, W, MHz"
+                                                       for a in arms]
+        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            e = r["energy"]
+            cells = ([r["world"], r["hidden"], r["rows"], f"{e['cublas']['mj_per_call']:.2f}"]
+                     + [f"{e[a]['over_cublas']:.3f}, {e[a]['watts']:.0f}, {e[a]['sm_mhz']:.0f}"
+                        for a in arms])
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
