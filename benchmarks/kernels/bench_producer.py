@@ -43,12 +43,13 @@ keeps every round).  The host's launch cost is left out of every arm; inputs fre
 random per row.
 ``TFLOP/s`` counts the projection's ``2 * rows * N * hidden``.
 
-``--energy-ms T`` (0: off) also runs every arm, in every round right after its timing,
-for about ``T`` ms of back-to-back replays and reads the board's energy counter, power
-and SM clock over them (``_power.BoardMeter``, NVML): the GPU sits at its power limit on
-these shapes, so an arm's time over cuBLAS's is partly its energy over cuBLAS's, paid in
-clock.  The second table prints, per arm, its energy per call over cuBLAS's and its
-median power and SM clock.  The bursts do not flush L2 between calls.
+``--sustained-ms T`` (0: off) also runs every arm, in every round right after its
+timing, for about ``T`` ms of back-to-back replays with no flush between them, and
+reads the board's power and SM clock over them (``_power.BoardMeter``, NVML): the GPU
+sits at its power limit on these shapes, and whether it idles between calls (as under
+``do_bench``'s flush) moves the arms' ratios by up to 10 %, in both directions.  The
+second table prints, per arm, its sustained time over cuBLAS's sustained time, its
+median power and SM clock.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=["warp_specialized", "tma"], help="comma list of producer "
                    "mainloops to time side by side (producer.MAINLOOPS); the pick's is added "
                    "when missing")
-    p.add_argument("--energy-ms", type=int, default=0,
-                   help="per arm and round, ms of replays over which NVML's energy counter, "
-                   "power and SM clock are read (0: not measured)")
+    p.add_argument("--sustained-ms", type=int, default=0,
+                   help="per arm and round, ms of back-to-back replays timed, with NVML's "
+                   "power and SM clock read over them (0: not measured)")
     p.add_argument("--json", metavar="PATH", help="also write rows and environment here")
     return p.parse_args(argv)
 
@@ -357,13 +358,13 @@ def picked_arm(p: dict) -> str:
 def timed(arms: dict[str, Callable[[], None]], args
           ) -> tuple[dict[str, list[float]], dict[str, list[dict]]]:
     """Per arm, ``args.rounds`` medians of ``triton.testing.do_bench`` over graph replays, and
-    with ``--energy-ms`` as many board readings (``_power.BoardMeter.burst``); the rounds
+    with ``--sustained-ms`` as many bursts (``_power.BoardMeter.burst``); the rounds
     visit the arms in rotated order, every other one reversed, so drift in the GPU's clock
     spreads over all arms."""
     import triton.testing
 
     meter = None
-    if args.energy_ms > 0:
+    if args.sustained_ms > 0:
         from _power import BoardMeter
         meter = BoardMeter()
     graphs = {name: graphed(fn) for name, fn in arms.items()}
@@ -377,7 +378,8 @@ def timed(arms: dict[str, Callable[[], None]], args
                                          return_mode="median")
             samples[name].append(ms)
             if meter is not None:
-                board[name].append(meter.burst(graphs[name], max(1, round(args.energy_ms / ms))))
+                board[name].append(meter.burst(graphs[name],
+                                               max(1, round(args.sustained_ms / ms))))
     return samples, board
 
 
@@ -396,13 +398,14 @@ def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
     samples, board = timed(dict(cublas=cublas, cublas_fp32=cublas_fp32_arm(p), **front_ends),
                            args)
     ms = {name: statistics.median(v) for name, v in samples.items()}
-    energy = {}
-    if args.energy_ms > 0:
-        mj = {name: statistics.median(b["mj_per_call"] for b in v) for name, v in board.items()}
-        energy = {name: dict(mj_per_call=mj[name], over_cublas=mj[name] / mj["cublas"],
-                             watts=statistics.median(b["watts"] for b in v),
-                             sm_mhz=statistics.median(b["sm_mhz"] for b in v))
-                  for name, v in board.items()}
+    sustained = {}
+    if args.sustained_ms > 0:
+        burst_ms = {name: statistics.median(b["ms_per_call"] for b in v)
+                    for name, v in board.items()}
+        sustained = {name: dict(ms=burst_ms[name], over_cublas=burst_ms[name] / burst_ms["cublas"],
+                                watts=statistics.median(b["watts"] for b in v),
+                                sm_mhz=statistics.median(b["sm_mhz"] for b in v))
+                     for name, v in board.items()}
     engines = [*(f"producer_{m}" for m in mainloops), "cublas_engine"]
     flop = 2 * rows * p["weight"].shape[0] * hidden
     return dict(world=world, hidden=hidden, seq_global=seq_global, rows=rows,
@@ -413,7 +416,7 @@ def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
                 picked_over_cublas=ms[picked] / ms["cublas"],
                 picked_over_best=ms[picked] / min(ms[a] for a in engines),
                 eager_over_picked=ms["eager"] / ms[picked],
-                unfused_over_picked=ms["unfused"] / ms[picked], energy=energy, board=board,
+                unfused_over_picked=ms["unfused"] / ms[picked], sustained=sustained, board=board,
                 picked_tflops=flop / ms[picked] / 1e9, cublas_tflops=flop / ms["cublas"] / 1e9)
 
 
@@ -433,14 +436,14 @@ def markdown(rows: list[dict]) -> str:
                     f"{r['unfused_over_picked']:.3f}", f"{r['eager_over_picked']:.2f}",
                     f"{r['picked_tflops']:.0f}", f"{r['cublas_tflops']:.0f}"])
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    if rows and rows[0]["energy"]:
-        arms = list(rows[0]["energy"])
-        head = ["W", "hidden", "rows", "cublas mJ"] + [f"{a}: energy / cublas, W, MHz"
-                                                       for a in arms]
+    if rows and rows[0]["sustained"]:
+        arms = list(rows[0]["sustained"])
+        head = ["W", "hidden", "rows", "cublas sustained ms"] + [
+            f"{a}: sustained / cublas, W, MHz" for a in arms]
         lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
-            e = r["energy"]
-            cells = ([r["world"], r["hidden"], r["rows"], f"{e['cublas']['mj_per_call']:.2f}"]
+            e = r["sustained"]
+            cells = ([r["world"], r["hidden"], r["rows"], f"{e['cublas']['ms']:.3f}"]
                      + [f"{e[a]['over_cublas']:.3f}, {e[a]['watts']:.0f}, {e[a]['sm_mhz']:.0f}"
                         for a in arms])
             lines.append("| " + " | ".join(map(str, cells)) + " |")
