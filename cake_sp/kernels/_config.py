@@ -167,19 +167,31 @@ PRODUCER_WS_NORM_IN_MMA: bool = True
 class WsTile:
     """One tile shape of the warp-specialised producer (see above): rows per tile, ring
     slots, the register budget of each of its two MMA warpgroups, the epilogue
-    partition's warps, and whether the MMA warps normalise and hand over bf16."""
+    partition's warps, whether the MMA warps normalise and hand over bf16, and the heads a
+    tile holds (2: adjacent heads of one kind, one a warpgroup)."""
 
     tile_m: int
     stages: int
     mma_regs: int
     epilogue_warps: int
     norm_in_mma: bool
+    heads: int = 1
 
 
 PRODUCER_WS_TILE = WsTile(tile_m=128, stages=4, mma_regs=104, epilogue_warps=8,
                           norm_in_mma=False)
 PRODUCER_WS_NORM_TILE = WsTile(tile_m=256, stages=3, mma_regs=168, epilogue_warps=4,
                                norm_in_mma=True)
+# The same operand bytes, registers and shared memory as the 256-row tile, as 128 rows of two
+# adjacent heads: the epilogue loads each row's RoPE table entries once for both heads (Q/K
+# pairs), which halves the table reads, about 5 % of the mainloop's bytes at hidden 3072.
+# D = 128, even Q and K/V head counts.  On an H200 (docs/results.md, "Head pairs") it took
+# 0.96-0.996x the 256-row tile's time in back-to-back calls on 6 rows (0.97-1.01x under
+# do_bench's flushed replays); its epilogue spills 8-380 bytes a thread (ptxas), which the
+# halved table reads more than pay for.
+PRODUCER_WS_PAIR_TILE = WsTile(tile_m=128, stages=3, mma_regs=168, epilogue_warps=4,
+                               norm_in_mma=True, heads=2)
+PRODUCER_WS_HEAD_PAIRS: bool = True
 # With both norm weights, the 256-row tile unless the 128-row one fills the persistent grid's
 # waves (wave_fill) better by more than this.  On an H200 (docs/results.md, "Tiles by wave
 # fill") the 128-row tile took 0.79-0.88x the 256-row one's time on the 5 rows where its fill
@@ -190,16 +202,20 @@ PRODUCER_WS_LOADER_REGS: int = 40
 PRODUCER_WS_GROUP_HEADS: int = 8
 
 
-def producer_ws_tile(rows: int, total_heads: int, num_sms: int, both_norms: bool) -> WsTile:
+def producer_ws_tile(rows: int, total_heads: int, num_sms: int, both_norms: bool,
+                     head_pairs: bool = False) -> WsTile:
     """The warp-specialised kernel's tile for a call of ``rows`` rows of ``total_heads`` heads
     on ``num_sms`` SMs: the fp32 hand-off's 128 rows, or with ``both_norms`` (and
-    ``PRODUCER_WS_NORM_IN_MMA``) the 256-row tile unless 128-row tiles fill the waves better
-    (``PRODUCER_WS_FILL_MARGIN``)."""
+    ``PRODUCER_WS_NORM_IN_MMA``) the 256-row tile (the head-pair tile where ``head_pairs``
+    says the shape allows it and ``PRODUCER_WS_HEAD_PAIRS``) unless 128-row tiles fill the
+    waves better (``PRODUCER_WS_FILL_MARGIN``)."""
     if not (both_norms and PRODUCER_WS_NORM_IN_MMA):
         return PRODUCER_WS_TILE
-    big, small = (wave_fill(rows, tile.tile_m, total_heads, num_sms)
-                  for tile in (PRODUCER_WS_NORM_TILE, PRODUCER_WS_TILE))
-    return PRODUCER_WS_TILE if small > big + PRODUCER_WS_FILL_MARGIN else PRODUCER_WS_NORM_TILE
+    norm_tile = (PRODUCER_WS_PAIR_TILE if head_pairs and PRODUCER_WS_HEAD_PAIRS
+                 else PRODUCER_WS_NORM_TILE)
+    big, small = (wave_fill(rows, tile.tile_m, total_heads // tile.heads, num_sms)
+                  for tile in (norm_tile, PRODUCER_WS_TILE))
+    return PRODUCER_WS_TILE if small > big + PRODUCER_WS_FILL_MARGIN else norm_tile
 
 # -- paged KV-cache append (qk_rope_append.py, qk_rope_fp8_append.py) --
 # Every program scans q_indptr itself; a chunk of up to 128 int32 keeps that scan to

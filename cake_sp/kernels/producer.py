@@ -261,9 +261,10 @@ def choose_mainloop(mainloop: str | None, x: torch.Tensor, qkv_weight: torch.Ten
     return mainloop
 
 
-def _persistent_grid(rows: int, tile_rows: int, plan: HeadPlan, num_sms: int) -> tuple[int]:
-    """One program per SM at most, and none without a tile."""
-    return (min(triton.cdiv(rows, tile_rows) * plan.total_heads, num_sms),)
+def _persistent_grid(rows: int, tile_rows: int, plan: HeadPlan, num_sms: int,
+                     tile_heads: int = 1) -> tuple[int]:
+    """One program per SM at most, and none without a tile (of ``tile_heads`` heads)."""
+    return (min(triton.cdiv(rows, tile_rows) * (plan.total_heads // tile_heads), num_sms),)
 
 
 def check_producer_inputs(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin,
@@ -441,18 +442,22 @@ def qkv_norm_rope_produce(
                      **epilogue_constants(plan, qkv_bias, q_norm_weight, k_norm_weight,
                                           positions, rope_style, signals, block_m))
     if mainloop == "warp_specialized":
+        head_pairs = d == 128 and plan.num_q_heads % 2 == 0 and plan.num_kv_heads % 2 == 0
         tile = _config.producer_ws_tile(rows, plan.total_heads, num_sms,
-                                        q_norm_weight is not None and k_norm_weight is not None)
+                                        q_norm_weight is not None and k_norm_weight is not None,
+                                        head_pairs)
+        w_rows = tile.heads * d
         x_desc = GluonTensorDescriptor.from_tensor(x, [tile.tile_m, block_k],
                                                    _nvmma_layout(tile.tile_m, block_k))
-        w_desc = GluonTensorDescriptor.from_tensor(qkv_weight, [d, block_k],
-                                                   _nvmma_layout(d, block_k))
-        qkv_produce_ws_kernel[_persistent_grid(rows, tile.tile_m, plan, num_sms)](
+        w_desc = GluonTensorDescriptor.from_tensor(qkv_weight, [w_rows, block_k],
+                                                   _nvmma_layout(w_rows, block_k))
+        positions_a_group = _config.PRODUCER_WS_GROUP_HEADS // tile.heads
+        qkv_produce_ws_kernel[_persistent_grid(rows, tile.tile_m, plan, num_sms, tile.heads)](
             x_desc, w_desc, *args, **{**constants, "num_warps": tile.epilogue_warps},
-            GROUP_HEADS=min(_config.PRODUCER_WS_GROUP_HEADS, plan.total_heads),
+            GROUP_HEADS=min(positions_a_group, plan.total_heads // tile.heads),
             TILE_M=tile.tile_m, CHUNK_M=_config.PRODUCER_WS_CHUNK_M, NORM_IN_MMA=tile.norm_in_mma,
             STAGES=tile.stages, MMA_REGS=tile.mma_regs,
-            LOADER_REGS=_config.PRODUCER_WS_LOADER_REGS)
+            LOADER_REGS=_config.PRODUCER_WS_LOADER_REGS, HEADS=tile.heads)
         return
     use_tma = mainloop == "tma"
     tile_m = _config.producer_tile_m(d, block_m)

@@ -89,18 +89,44 @@ def _maybe_rms_norm(p, weight_ptr, cols, eps, HAS_WEIGHT: tl.constexpr, D: tl.co
 
 
 @triton.jit
+def tile_cos_sin(offs_m, row_ok, half_cols, inputs, D: tl.constexpr,
+                 HAS_POSITIONS: tl.constexpr, HEADS: tl.constexpr):
+    """RoPE ``cos`` and ``sin`` (fp32 ``[BLOCK_M, D/2]`` each) of source rows ``offs_m`` where
+    ``row_ok``, for ``HEADS`` Q or K heads of those rows; ``inputs`` as in :func:`deliver_tile`.
+
+    With positions, a row whose table row lies outside the table reads nothing (cos = sin =
+    0) and adds ``HEADS`` to the bad-positions counter (one per Q or K head it has)."""
+    (_, _, _, cos_sin_ptr, cos_sin_stride, cos_sin_rows, pos_ptr, bad_pos_ptr, _) = inputs
+    if HAS_POSITIONS:
+        table_rows = tl.load(pos_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
+        in_table = (table_rows >= 0) & (table_rows < cos_sin_rows)
+        # Checked here rather than on the host, which would have to wait for the GPU.
+        if bad_pos_ptr is not None:
+            # One predicated atomic per row, issued only for rows out of the table (the
+            # operands are vectors in offs_m's layout: Gluon does not broadcast scalars).
+            zero = offs_m * 0
+            tl.atomic_add(bad_pos_ptr + zero, zero + HEADS, mask=row_ok & ~in_table,
+                          sem="relaxed", scope="sys")
+        table_ok = row_ok & in_table
+    else:
+        table_rows = offs_m
+        table_ok = row_ok
+    return load_cos_sin(cos_sin_ptr, table_rows, cos_sin_stride, table_ok, half_cols, D)
+
+
+@triton.jit
 def _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, inputs,
                   NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
                   BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Q_NORM: tl.constexpr,
                   HAS_K_NORM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
                   ROPE_STYLE: tl.constexpr, GLUON: tl.constexpr, NORMALIZED: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  INTERPRET: tl.constexpr, cos_sin):
     """The bf16 ``[BLOCK_M, D]`` output tile of projection head ``head`` (``producer.py``);
     ``inputs`` as in :func:`deliver_tile`.  ``NORMALIZED``: ``acc`` already has the bias
     and, for Q and K heads (both with norm weights), ``bf16(rmsnorm)`` applied; V heads are
-    then already their bf16 output."""
-    (bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, cos_sin_stride, cos_sin_rows, pos_ptr,
-     bad_pos_ptr, eps) = inputs
+    then already their bf16 output.  ``cos_sin``: the rows' ``(cos, sin)`` from
+    :func:`tile_cos_sin`, or None to load them here."""
+    (bias_ptr, q_norm_ptr, k_norm_ptr, _, _, _, _, _, eps) = inputs
     p = acc
     if HAS_BIAS:
         if not NORMALIZED:
@@ -110,22 +136,10 @@ def _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, inputs,
             y = _maybe_rms_norm(p, q_norm_ptr, cols, eps, HAS_Q_NORM, D, NORMALIZED, INTERPRET)
         else:
             y = _maybe_rms_norm(p, k_norm_ptr, cols, eps, HAS_K_NORM, D, NORMALIZED, INTERPRET)
-        if HAS_POSITIONS:
-            table_rows = tl.load(pos_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
-            in_table = (table_rows >= 0) & (table_rows < cos_sin_rows)
-            # Checked here rather than on the host, which would have to wait for the GPU:
-            # a row outside the table reads nothing (its cos and sin are 0) and is counted.
-            if bad_pos_ptr is not None:
-                # One predicated atomic per row, issued only for rows out of the table (the
-                # operands are vectors in offs_m's layout: Gluon does not broadcast scalars).
-                zero = offs_m * 0
-                tl.atomic_add(bad_pos_ptr + zero, zero + 1, mask=row_ok & ~in_table,
-                              sem="relaxed", scope="sys")
-            table_ok = row_ok & in_table
+        if cos_sin is None:
+            cos, sin = tile_cos_sin(offs_m, row_ok, half_cols, inputs, D, HAS_POSITIONS, 1)
         else:
-            table_rows = offs_m
-            table_ok = row_ok
-        cos, sin = load_cos_sin(cos_sin_ptr, table_rows, cos_sin_stride, table_ok, half_cols, D)
+            cos, sin = cos_sin
         out = round_to_bf16(rope_rotate(y, cos, sin, BLOCK_M, D, ROPE_STYLE, GLUON), INTERPRET)
     else:
         out = round_to_bf16(p, INTERPRET)
@@ -141,7 +155,7 @@ def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed,
                  HAS_BIAS: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
                  HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr, SIGNAL: tl.constexpr,
                  READY_M: tl.constexpr, GLUON: tl.constexpr, INTERPRET: tl.constexpr,
-                 NORMALIZED: tl.constexpr = False):
+                 NORMALIZED: tl.constexpr = False, cos_sin=None):
     """Finish tile (``row_block``, ``head``) from its fp32 accumulator and store it at every
     destination; returns the updated bit sets of ranks seen entered / given up on by
     this program (``offs_m`` int64 source rows of the tile, ``cols``/``half_cols``
@@ -152,11 +166,12 @@ def deliver_tile(acc, row_block, head, offs_m, cols, half_cols, entered, failed,
     destination, after its stores there.  The kernel's arguments
     arrive in three tuples, unpacked below in their order: ``inputs`` what the epilogue
     reads (bias, norm weights, RoPE table, positions, eps), ``dest`` where it writes,
-    ``signals`` the readiness protocol."""
+    ``signals`` the readiness protocol.  ``cos_sin``: the rows' RoPE ``(cos, sin)`` when
+    the caller loaded them once for several heads (:func:`tile_cos_sin`), else None."""
     row_ok = offs_m < rows
     out = _qkv_epilogue(acc, head, offs_m, row_ok, cols, half_cols, inputs, NUM_Q_HEADS,
                         NUM_KV_HEADS, D, BLOCK_M, HAS_BIAS, HAS_Q_NORM, HAS_K_NORM,
-                        HAS_POSITIONS, ROPE_STYLE, GLUON, NORMALIZED, INTERPRET)
+                        HAS_POSITIONS, ROPE_STYLE, GLUON, NORMALIZED, INTERPRET, cos_sin)
     (dest_table_ptr, seq_local, dest_seq_len, dest_seq_offset, region_q, region_k, region_v,
      token_stride_q, token_stride_k, token_stride_v, head_stride_q, head_stride_k,
      head_stride_v) = dest

@@ -85,8 +85,12 @@ def build_producer(config: dict) -> dict:
     from cake_sp.layouts import DestLayout, HeadPlan, ReadinessLayout
 
     c = {**dict(world=2, q_heads=32, kv_heads=8, head_dim=128, hidden=4096, rows=4096,
-                norms=True, bias=True, signals=True, positions=False, rope_style="neox"),
+                norms=True, bias=True, signals=True, positions=False, rope_style="neox",
+                head_pairs=False),
          **config}
+    # ``head_pairs``: the head-pair tile where the shape allows it; off by default here, so
+    # that the other builds cover the one-head tiles (_config.PRODUCER_WS_HEAD_PAIRS).
+    _config.PRODUCER_WS_HEAD_PAIRS = c["head_pairs"]
     plan = HeadPlan(c["world"], c["q_heads"], c["kv_heads"], c["head_dim"])
     rows, d, w = c["rows"], c["head_dim"], c["world"]
     bf16, i64 = torch.bfloat16, torch.int64

@@ -349,24 +349,64 @@ WS_CASES = [n for n, c in CASES.items()
 def test_warp_specialized_mainloop_matches_oracle(name, norm_in_mma, device, record_property,
                                                   monkeypatch):
     """The Gluon kernel on the small cases: tail row blocks, one K step, GQA replication; the
-    cases with both norms in both tile shapes (``_config.PRODUCER_WS_NORM_IN_MMA``; an infinite
-    ``PRODUCER_WS_FILL_MARGIN`` keeps the 256-row tile at any wave fill)."""
+    cases with both norms in both one-head tile shapes (``_config.PRODUCER_WS_NORM_IN_MMA``; an
+    infinite ``PRODUCER_WS_FILL_MARGIN`` keeps the 256-row tile at any wave fill)."""
     case = replace(CASES[name], mainloop="warp_specialized", block_m=None)
     if not (case.q_norm and case.k_norm) and not norm_in_mma:
         pytest.skip("without both norm weights the kernel always hands over fp32")
     monkeypatch.setattr(_config, "PRODUCER_WS_NORM_IN_MMA", norm_in_mma)
     monkeypatch.setattr(_config, "PRODUCER_WS_FILL_MARGIN", float("inf"))
+    # One head a tile here; the head-pair tile has its own test below.
+    monkeypatch.setattr(_config, "PRODUCER_WS_HEAD_PAIRS", False)
     _exchange_and_check(case, device, record_property, seed=len(name) + 1)
 
 
+# The warp-specialised kernel's head-pair tile (_config.PRODUCER_WS_PAIR_TILE): D = 128, both
+# norms, even Q and K/V head counts; bands of an even and an odd number of heads, K/V
+# replication, positions, both RoPE styles, several row blocks and a tail.
+PAIR_CASES = {
+    "w2-pairs-mha-37": CASES["w2-mha-37"],
+    "w2-pairs-gqa-200": CASES["w2-gqa-split-200"],
+    "w2-pairs-even-bands": Case(2, 8, 4, hidden=256, batch=1, seq_local=300, rope_style="neox",
+                                bias=True, positions=torch.int32),
+    "w4-pairs-repl": Case(4, 8, 2, hidden=128, batch=2, seq_local=150, bias=True),
+    "w2-pairs-odd-bands": Case(2, 6, 2, hidden=192, seq_local=260, rope_style="neox"),
+}
+
+
+def _head_pairs(monkeypatch, case: Case) -> None:
+    """Make the launcher take the head-pair tile for ``case``, and check it will."""
+    monkeypatch.setattr(_config, "PRODUCER_WS_HEAD_PAIRS", True)
+    monkeypatch.setattr(_config, "PRODUCER_WS_FILL_MARGIN", float("inf"))
+    tile = _config.producer_ws_tile(case.rows, case.plan.total_heads, 132, True, True)
+    assert tile == _config.PRODUCER_WS_PAIR_TILE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PAIR_CASES)
+def test_warp_specialized_head_pairs_match_oracle(name, device, record_property, monkeypatch):
+    """Two adjacent heads a tile, one a warpgroup, each row's RoPE table entries loaded once
+    for both: the same destinations, bytes and readiness words as one head a tile."""
+    case = replace(PAIR_CASES[name], mainloop="warp_specialized", block_m=None)
+    _head_pairs(monkeypatch, case)
+    _exchange_and_check(case, device, record_property, seed=len(name) + 3)
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["", "pairs"])
 @pytest.mark.parametrize("name", ["w2-gqa-split-200", "w4-gqa-repl-d64", "w2-tma",
                                   "w2-cublas-split"])
-def test_positions_outside_the_table_are_counted_and_read_nothing(name, device,
-                                                                  record_property):
+def test_positions_outside_the_table_are_counted_and_read_nothing(name, pairs, device,
+                                                                  record_property, monkeypatch):
     """Positions < 0 or >= the table's rows: those Q/K rows rotate by cos = sin = 0 (the
     oracle gets a zero table row for them), every Q/K tile row counts once, nothing else
-    changes."""
+    changes.  ``pairs``: on the warp-specialised kernel's head-pair tile, which counts a row
+    once for both heads of a pair."""
     case = CASES[name]
+    if pairs:
+        if name != "w2-gqa-split-200" or device.type != "cuda":
+            pytest.skip("the head-pair tile: D = 128 with both norms, on a Hopper GPU")
+        case = replace(case, mainloop="warp_specialized")
+        _head_pairs(monkeypatch, case)
     inputs = _make_inputs(case, device, seed=13)
     oracle_ranks, bad_rows = [], []
     for src in inputs["ranks"]:

@@ -167,6 +167,21 @@ def test_ws_tile_by_wave_fill(rows, heads, tile_m):
     assert tile in (_config.PRODUCER_WS_TILE, _config.PRODUCER_WS_NORM_TILE)
 
 
+@pytest.mark.parametrize("switch, head_pairs, expected", [
+    (True, True, "PRODUCER_WS_PAIR_TILE"), (True, False, "PRODUCER_WS_NORM_TILE"),
+    (False, True, "PRODUCER_WS_NORM_TILE"),
+])
+def test_ws_head_pair_tile_where_the_shape_allows_and_the_switch_is_on(
+        monkeypatch, switch, head_pairs, expected):
+    monkeypatch.setattr(_config, "PRODUCER_WS_HEAD_PAIRS", switch)
+    assert _config.producer_ws_tile(16384, 40, 132, True, head_pairs) \
+        == getattr(_config, expected)
+    # Its fill is counted over pairs: 128-row tiles of 20 pairs, as many tiles as 256 x 1.
+    assert _config.producer_ws_tile(2048, 40, 132, True, head_pairs) == _config.PRODUCER_WS_TILE
+    assert _config.producer_ws_tile(16384, 40, 132, False, head_pairs) \
+        == _config.PRODUCER_WS_TILE
+
+
 def test_ws_tile_without_both_norms_is_the_fp32_hand_off(monkeypatch):
     for rows in (512, 2048, 16384):
         assert _config.producer_ws_tile(rows, 40, 132, both_norms=False) \
