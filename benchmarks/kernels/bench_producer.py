@@ -194,7 +194,9 @@ def unfused_arm(p: dict) -> tuple[Callable[[], None], torch.Tensor]:
     """The baselines' compute (``benchmarks/comm/arms.project_norm_rope``, with the bias):
     cuBLAS bf16 out, then their one QK-norm + RoPE launch in place; returns the run and
     its ``[rows, heads, D]`` output."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "comm"))
+    comm = str(Path(__file__).resolve().parents[1] / "comm")
+    if comm not in sys.path:
+        sys.path.insert(0, comm)
     from _norm_rope_op import qk_norm_rope_
 
     plan, rows = p["plan"], p["rows"]
