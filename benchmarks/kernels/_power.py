@@ -39,8 +39,7 @@ class BoardMeter:
               sample_s: float = 0.005) -> dict[str, float]:
         """Enqueue ``calls`` replays of ``replay`` (one call each) back to back, and while the
         GPU drains them sample the power and the SM clock; returns ``ms_per_call`` (CUDA
-        events around the burst), ``watts`` and ``sm_mhz`` (medians of the samples) and
-        ``mj_per_call`` (their product)."""
+        events around the burst), ``watts`` and ``sm_mhz`` (medians of the samples)."""
         nvml, handle = self._nvml, self._handle
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -53,7 +52,6 @@ class BoardMeter:
             clocks.append(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
             watts.append(nvml.nvmlDeviceGetPowerUsage(handle) / 1e3)
             time.sleep(sample_s)
-        ms = start.elapsed_time(done) / calls
-        power = statistics.median(watts) if watts else float("nan")
-        return dict(ms_per_call=ms, watts=power, mj_per_call=power * ms,
+        return dict(ms_per_call=start.elapsed_time(done) / calls,
+                    watts=statistics.median(watts) if watts else float("nan"),
                     sm_mhz=statistics.median(clocks) if clocks else float("nan"))
