@@ -21,10 +21,13 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from cake_sp.kernels import _config
 from cake_sp.kernels.producer import MAINLOOPS, WS_HEAD_DIMS, qkv_norm_rope_produce
 from cake_sp.kernels.producer_cublas import qkv_norm_rope_produce_cublas
+from cake_sp.kernels.producer_epilogue import tile_coords
 from cake_sp.kernels.signals import (
     STATUS_ENTER_TIMEOUT,
     STATUS_READY_TIMEOUT,
@@ -372,6 +375,46 @@ PAIR_CASES = {
     "w4-pairs-repl": Case(4, 8, 2, hidden=128, batch=2, seq_local=150, bias=True),
     "w2-pairs-odd-bands": Case(2, 6, 2, hidden=192, seq_local=260, rope_style="neox"),
 }
+
+
+@triton.jit
+def _tile_order_kernel(out_ptr, row_blocks, NUM_Q_HEADS: tl.constexpr,
+                       NUM_KV_HEADS: tl.constexpr, Q_PER_RANK: tl.constexpr,
+                       KV_PER_RANK: tl.constexpr, GROUP_HEADS: tl.constexpr):
+    """``tile_coords`` of persistent tile ``t``, a program each: ``out[t] = (row_block,
+    position)``."""
+    t = tl.program_id(0)
+    row_block, position = tile_coords(t, row_blocks, NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK,
+                                      KV_PER_RANK, GROUP_HEADS)
+    tl.store(out_ptr + 2 * t, row_block)
+    tl.store(out_ptr + 2 * t + 1, position)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("world, hq, hkv", [
+    (2, 24, 8), (4, 24, 8), (8, 24, 8), (8, 32, 8), (8, 64, 4), (4, 36, 4), (8, 40, 8),
+    (2, 2, 2), (4, 8, 2),
+])
+def test_tile_order_covers_every_head_of_every_row_block_once(world, hq, hkv, heads):
+    """The persistent tiles' ``(row block, head)`` (``producer_epilogue.tile_coords``; with two
+    heads a tile, over pairs as ``producer_ws._tile_heads`` takes it, bands of an odd number of
+    heads included) name every row block of every head once, a pair's heads of one kind."""
+    _pair_band = pytest.importorskip("cake_sp.kernels.producer_ws")._pair_band
+
+    plan = HeadPlan(world, hq, hkv, 128)
+    row_blocks, total = 3, plan.total_heads
+    q_band, kv_band = plan.q_per_rank, plan.kv_per_rank
+    if heads == 2:
+        q_band, kv_band = _pair_band(q_band), _pair_band(kv_band)
+    positions = total // heads
+    group = min(_config.PRODUCER_WS_GROUP_HEADS // heads, positions)
+    out = torch.full((row_blocks * positions, 2), -1, dtype=torch.int32)
+    _tile_order_kernel[(out.shape[0],)](out, row_blocks, hq // heads, hkv // heads, q_band,
+                                        kv_band, group)
+    got = sorted((int(rb), int(p) * heads) for rb, p in out.tolist())
+    assert got == [(rb, h) for rb in range(row_blocks) for h in range(0, total, heads)]
+    kinds = [0] * hq + [1] * hkv + [2] * hkv
+    assert all(kinds[h] == kinds[h + heads - 1] for _, h in got)
 
 
 def _head_pairs(monkeypatch, case: Case) -> None:
