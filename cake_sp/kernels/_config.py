@@ -96,18 +96,22 @@ PRODUCER_INTERPRET_PROGRAMS: int = 2
 # Mainloops in order of preference; the launcher takes the first the device, the head
 # size and the call allow (producer.MAINLOOPS says what each needs; producer_mainloop).
 PRODUCER_MAINLOOPS: tuple[str, ...] = ("warp_specialized", "tma", "pointer")
-# The warp-specialised mainloop by default only from this many rows: on an H200 it took
-# 1.06-1.19x the TMA mainloop's time at 512 rows, 1.01-1.03x at 1,024 and 0.92-1.01x at
-# 2,048 and more (docs/results.md, "The warp-specialised producer as the default").
-PRODUCER_WS_MIN_ROWS: int = 2048
+# The warp-specialised mainloop by default only from this many rows.  On an H200 with its
+# tiles chosen by wave fill (producer_ws_tile), at 1,024 rows it took 0.66-1.00x the TMA
+# mainloop's time (hidden 3072-8192, both norms; the TMA kernel 1 % ahead on hidden 6144) and
+# at 512 rows 0.81-1.27x (TMA faster on 3 of 4); from 2,048 rows it is faster on every row
+# (docs/results.md, "Head pairs at the session's shapes").
+PRODUCER_WS_MIN_ROWS: int = 1024
 # The session's producer engine per call shape (session/producer.py, producer_engine).  Above
 # PRODUCER_CUBLAS_MAX_ROWS rows the fused kernel; up to it, the fused kernel only when its
 # persistent grid's (row block, head) tiles fill their last wave of SMs to PRODUCER_FUSED_MIN_FILL
-# or more, else the cuBLAS engine.  On an H200 (docs/results.md, same section; hidden
-# 3072-8192, 8 K/V heads, D = 128, 132 SMs) this rule picks the faster engine on all 8 rows
-# of 512 and 1,024 rows: the fused kernel won at fills of 0.97 (by 7-8 %), cuBLAS at fills
-# of 0.61-0.81 (by 2-35 %); from 2,048 rows the fused kernel won every row.
-PRODUCER_CUBLAS_MAX_ROWS: int = 1024
+# or more, else the cuBLAS engine.  On an H200 (docs/results.md, "Head pairs at the session's
+# shapes"; hidden 3072-8192, 8 K/V heads, D = 128, 132 SMs) this rule's pick was within 2 % of
+# the fastest engine on 15 of 16 rows of 512 to 2,048 rows: cuBLAS at fills of 0.61-0.81,
+# the fused kernel at 0.91-0.97, which at 1,536 rows of hidden 8192 (fill 0.91) was 3-6 %
+# slower than cuBLAS; at 1,536 rows of hidden 4096 (fill 0.73) cuBLAS was 11 % faster, and at
+# 2,048 rows the fused kernel won every row, 0.81 fills included.
+PRODUCER_CUBLAS_MAX_ROWS: int = 1536
 PRODUCER_FUSED_MIN_FILL: float = 0.9
 # The cuBLAS engine's epilogue kernel (producer_cublas.py): values of its fp32 projection tile
 # per program (rows x D; at least a readiness word's rows) and its warps.  On an H200
@@ -185,10 +189,11 @@ PRODUCER_WS_NORM_TILE = WsTile(tile_m=256, stages=3, mma_regs=168, epilogue_warp
 # The same operand bytes, registers and shared memory as the 256-row tile, as 128 rows of two
 # adjacent heads: the epilogue loads each row's RoPE table entries once for both heads (Q/K
 # pairs), which halves the table reads, about 5 % of the mainloop's bytes at hidden 3072.
-# D = 128, even Q and K/V head counts.  On an H200 (docs/results.md, "Head pairs") it took
-# 0.96-0.996x the 256-row tile's time in back-to-back calls on 6 rows (0.97-1.01x under
-# do_bench's flushed replays); its epilogue spills 8-380 bytes a thread (ptxas), which the
-# halved table reads more than pay for.
+# D = 128, even Q and K/V head counts.  On an H200 (docs/results.md, "Head pairs" and "Head
+# pairs at the session's shapes") it took 0.96-0.98x the 256-row tile's time in back-to-back
+# calls and 0.97-0.99x under do_bench's flushed replays on 8 of 8 rows of a second A/B; its
+# epilogue spills 8-380 bytes a thread (ptxas), which the halved table reads more than pay
+# for: each head loading its own entries (no spills) took 1.00-1.03x the shared loads' time.
 PRODUCER_WS_PAIR_TILE = WsTile(tile_m=128, stages=3, mma_regs=168, epilogue_warps=4,
                                norm_in_mma=True, heads=2)
 PRODUCER_WS_HEAD_PAIRS: bool = True
@@ -199,6 +204,9 @@ PRODUCER_WS_HEAD_PAIRS: bool = True
 # within 0.02.
 PRODUCER_WS_FILL_MARGIN: float = 0.1
 PRODUCER_WS_LOADER_REGS: int = 40
+# Heads a tile group (4 pairs for the head-pair tile).  With pairs on an H200, groups of 4
+# heads took 1.01-1.07x the time of 8, groups of 16 0.96-1.04x (within a round's noise on
+# most rows, slower at hidden 8192): docs/results.md, "Head pairs at the session's shapes".
 PRODUCER_WS_GROUP_HEADS: int = 8
 
 

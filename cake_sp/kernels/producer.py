@@ -33,10 +33,10 @@ tile's fp32 accumulator (``mainloop=``, ``MAINLOOPS``): ``tl.dot`` over pointer
 loads (any target, the CPU interpreter) or over host-built tensor descriptors
 (TMA, sm_90+), both in this module's kernel, and a warp-specialised Gluon kernel
 (``producer_ws.py``, sm_90).  All three finish the tile with
-``producer_epilogue.deliver_tile``.  On an H200 the warp-specialised kernel took
-0.92-1.01x the TMA mainloop's time at 2,048 rows and more, 1.01-1.03x at 1,024 and
-1.06-1.19x at 512 (docs/results.md), so it is the default on sm_90 from
-``_config.PRODUCER_WS_MIN_ROWS`` rows (``_config.producer_mainloop``).
+``producer_epilogue.deliver_tile``.  On an H200 the warp-specialised kernel is faster
+than the TMA mainloop from 1,024 rows and slower on most shapes at 512 (docs/results.md),
+so it is the default on sm_90 from ``_config.PRODUCER_WS_MIN_ROWS`` rows
+(``_config.producer_mainloop``).
 """
 
 from __future__ import annotations

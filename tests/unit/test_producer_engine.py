@@ -12,11 +12,13 @@ from cake_sp.session.slots import CallInputs
 
 
 # (rows, Hq + 2 Hkv, engine) on 132 SMs, the H200 rows the rule was fitted on (D = 128):
-# 256-row tiles filling their last wave to 0.61-0.81 take cuBLAS, to 0.97 the fused kernel.
+# 256-row tiles filling their last wave to 0.61-0.81 take cuBLAS, to 0.91-0.97 the fused
+# kernel; above 1,536 rows the fused kernel whatever the fill.
 @pytest.mark.parametrize("rows, heads, engine", [
     (512, 40, "cublas"), (512, 48, "cublas"), (512, 64, "fused"), (512, 80, "cublas"),
     (1024, 40, "cublas"), (1024, 48, "cublas"), (1024, 64, "fused"), (1024, 80, "cublas"),
-    (1025, 40, "fused"), (2048, 48, "fused"), (10**7, 48, "fused"),
+    (1536, 40, "fused"), (1536, 48, "cublas"), (1536, 64, "fused"), (1536, 80, "fused"),
+    (1537, 48, "fused"), (2048, 40, "fused"), (10**7, 48, "fused"),
 ])
 def test_engine_by_wave_fill_on_a_gpu(monkeypatch, rows, heads, engine):
     monkeypatch.setattr(_config, "INTERPRET", False)  # a GPU's tiles, not the interpreter's
@@ -78,11 +80,11 @@ def test_dispatch(monkeypatch, engine, projection, launched):
 
 @pytest.mark.parametrize("engine, max_tokens, rows", [
     ("fused", 4096, 0), ("cublas", 4096, 4096), ("cublas", 100, 100),
-    ("auto", 4096, 1024),   # the most rows "auto" may give the cuBLAS engine
+    ("auto", 4096, 1536),   # the most rows "auto" may give the cuBLAS engine
     ("auto", 100, 100),     # max_tokens below that
 ])
 def test_workspace_holds_the_most_rows_the_engine_may_get(engine, max_tokens, rows):
-    assert _config.PRODUCER_CUBLAS_MAX_ROWS == 1024
+    assert _config.PRODUCER_CUBLAS_MAX_ROWS == 1536
     assert producer._cublas_rows(engine, max_tokens=max_tokens, on_gpu=True) == rows
 
 
@@ -114,12 +116,12 @@ EVERY_MAINLOOP = ("warp_specialized", "tma", "pointer")
 
 
 @pytest.mark.parametrize("allowed, rows, mainloop", [
-    (EVERY_MAINLOOP, 2048, "warp_specialized"), (EVERY_MAINLOOP, 10**6, "warp_specialized"),
-    (EVERY_MAINLOOP, 2047, "tma"),                  # below PRODUCER_WS_MIN_ROWS
+    (EVERY_MAINLOOP, 1024, "warp_specialized"), (EVERY_MAINLOOP, 10**6, "warp_specialized"),
+    (EVERY_MAINLOOP, 1023, "tma"),                  # below PRODUCER_WS_MIN_ROWS
     (("tma", "pointer"), 4096, "tma"), (("pointer",), 4096, "pointer"),
 ])
 def test_default_mainloop(allowed, rows, mainloop):
-    assert _config.PRODUCER_WS_MIN_ROWS == 2048
+    assert _config.PRODUCER_WS_MIN_ROWS == 1024
     assert _config.producer_mainloop(allowed, rows) == mainloop
 
 
