@@ -201,7 +201,9 @@ PRODUCER_WS_HEAD_PAIRS: bool = True
 # waves (wave_fill) better by more than this.  On an H200 (docs/results.md, "Tiles by wave
 # fill") the 128-row tile took 0.79-0.88x the 256-row one's time on the 5 rows where its fill
 # was higher by 0.16-0.24 (512 to 2,048 rows), and 0.95-1.08x on the 10 where the fills were
-# within 0.02.
+# within 0.02.  Against the head-pair tile (docs/results.md, "Head pairs at the session's
+# shapes") the 128-row tile took 0.78-0.95x its time on the 6 rows of 1,024-2,048 rows where
+# the rule picks it.
 PRODUCER_WS_FILL_MARGIN: float = 0.1
 PRODUCER_WS_LOADER_REGS: int = 40
 # Heads a tile group (4 pairs for the head-pair tile).  With pairs on an H200, groups of 4
