@@ -97,9 +97,9 @@ PRODUCER_INTERPRET_PROGRAMS: int = 2
 # size and the call allow (producer.MAINLOOPS says what each needs; producer_mainloop).
 PRODUCER_MAINLOOPS: tuple[str, ...] = ("warp_specialized", "tma", "pointer")
 # The warp-specialised mainloop by default only from this many rows.  On an H200 with its
-# tiles chosen by wave fill (producer_ws_tile), at 1,024 rows it took 0.66-1.00x the TMA
+# tiles chosen by wave fill (producer_ws_tile), at 1,024 rows it took 0.77-1.00x the TMA
 # mainloop's time (hidden 3072-8192, both norms; the TMA kernel 1 % ahead on hidden 6144) and
-# at 512 rows 0.81-1.27x (TMA faster on 3 of 4); from 2,048 rows it is faster on every row
+# at 512 rows 0.81-1.23x (TMA faster on 3 of 4); from 2,048 rows it is faster on every row
 # (docs/results.md, "Head pairs at the session's shapes").
 PRODUCER_WS_MIN_ROWS: int = 1024
 # The session's producer engine per call shape (session/producer.py, producer_engine).  Above
