@@ -107,7 +107,7 @@ PRODUCER_WS_MIN_ROWS: int = 1024
 # persistent grid's (row block, head) tiles fill their last wave of SMs to PRODUCER_FUSED_MIN_FILL
 # or more, else the cuBLAS engine.  On an H200 (docs/results.md, "Head pairs at the session's
 # shapes"; hidden 3072-8192, 8 K/V heads, D = 128, 132 SMs) this rule's pick was within 2 % of
-# the fastest engine on 15 of 16 rows of 512 to 2,048 rows: cuBLAS at fills of 0.61-0.81,
+# the fastest engine on 18 of 20 rows of 512 to 2,048 rows: cuBLAS at fills of 0.61-0.81,
 # the fused kernel at 0.91-0.97, which at 1,536 rows of hidden 8192 (fill 0.91) was 3-6 %
 # slower than cuBLAS; at 1,536 rows of hidden 4096 (fill 0.73) cuBLAS was 11 % faster, and at
 # 2,048 rows the fused kernel won every row, 0.81 fills included.
