@@ -395,7 +395,7 @@ def _tile_order_kernel(out_ptr, row_blocks, NUM_Q_HEADS: tl.constexpr,
     (2, 24, 8), (4, 24, 8), (8, 24, 8), (8, 32, 8), (8, 64, 4), (4, 36, 4), (8, 40, 8),
     (2, 2, 2), (4, 8, 2),
 ])
-def test_tile_order_covers_every_head_of_every_row_block_once(world, hq, hkv, heads):
+def test_tile_order_covers_every_head_of_every_row_block_once(world, hq, hkv, heads, device):
     """The persistent tiles' ``(row block, head)`` (``producer_epilogue.tile_coords``; with two
     heads a tile, over pairs as ``producer_ws._tile_heads`` takes it, bands of an odd number of
     heads included) name every row block of every head once, a pair's heads of one kind."""
@@ -408,7 +408,7 @@ def test_tile_order_covers_every_head_of_every_row_block_once(world, hq, hkv, he
         q_band, kv_band = _pair_band(q_band), _pair_band(kv_band)
     positions = total // heads
     group = min(_config.PRODUCER_WS_GROUP_HEADS // heads, positions)
-    out = torch.full((row_blocks * positions, 2), -1, dtype=torch.int32)
+    out = torch.full((row_blocks * positions, 2), -1, dtype=torch.int32, device=device)
     _tile_order_kernel[(out.shape[0],)](out, row_blocks, hq // heads, hkv // heads, q_band,
                                         kv_band, group)
     got = sorted((int(rb), int(p) * heads) for rb, p in out.tolist())
