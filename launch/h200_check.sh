@@ -15,6 +15,10 @@
 # bench-comm (the comm benchmark with ranks sharing GPU 0;
 # BENCH_COMM_ARGS replaces its --rows), bench-smoke-shared (the comm benchmark's smoke test on GPU 0
 # shared by two ranks, with the check that a rank delayed on the host is kept out of the times),
+# ablate-producer (benchmarks/kernels/ablate_producer.py: the warp-specialised producer beside
+# copies of it with parts switched off; ABLATE_ARGS replaces its defaults), ncu-producer (Nsight
+# Compute's DRAM, L2 and L1 traffic of one call per arm, NCU_ARMS on the row NCU_ROW, as one
+# table; NCU_METRICS replaces the metrics),
 # kernels-band (the band push with virtual ranks), layer-shared (UlyssesAttention with W = 2, 4
 # processes sharing GPU 0 over NVLink), bench-layer (the layer benchmark, one rank) and
 # bench-layer-shared (its smoke run with two ranks sharing GPU 0), sanitizer-layer (memcheck and
@@ -138,6 +142,29 @@ run_named() {
         bench-producer) run_stage bench-producer $PY benchmarks/kernels/bench_producer.py \
                             --json "$OUT/bench_producer.json" \
                             ${BENCH_PRODUCER_ARGS:---sustained-ms 150} ;;
+        ablate-producer) run_stage ablate-producer $PY benchmarks/kernels/ablate_producer.py \
+                             --json "$OUT/ablate_producer.json" ${ABLATE_ARGS:-} ;;
+        ncu-producer)
+            # One call an arm, L2 flushed before it (ncu's default, as under do_bench), clocks
+            # left as they are; each arm in its own process, so its file holds its kernels only.
+            # L1/shared memory too: the hand-off tile, the table loads and the stores share
+            # the SM's L1 data path with the operands' TMA writes and wgmma reads.
+            local arm metrics=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second
+            metrics+=,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum
+            metrics+=,lts__t_sectors_op_write.sum,lts__t_sector_hit_rate.pct,sm__inst_executed.sum
+            metrics+=,l1tex__throughput.avg.pct_of_peak_sustained_elapsed
+            metrics+=,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum
+            metrics+=,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+            metrics=${NCU_METRICS:-$metrics}
+            for arm in ${NCU_ARMS:-cublas landed nodeliver nomath}; do
+                run_stage "ncu-$arm" "${NCU:-ncu}" --profile-from-start off --clock-control none \
+                    --csv --metrics "$metrics" --log-file "$OUT/ncu_producer_$arm.csv" \
+                    $PY benchmarks/kernels/ablate_producer.py --profile "$arm" \
+                    --rows "${NCU_ROW:-2x4096x32768}"
+            done
+            $PY benchmarks/kernels/ablate_producer.py --ncu-table "$OUT"/ncu_producer_*.csv \
+                > "$OUT/ncu_producer.md" 2>&1
+            cat "$OUT/ncu_producer.md" ;;
         bench-append) run_stage bench-append $PY benchmarks/kernels/bench_qk_rope_append.py \
                           --json "$OUT/bench_append.json" ;;
         anchor-append)
