@@ -148,13 +148,15 @@ run_named() {
             # One call an arm, L2 flushed before it (ncu's default, as under do_bench), clocks
             # left as they are; each arm in its own process, so its file holds its kernels only.
             # L1/shared memory too: the hand-off tile, the table loads and the stores share
-            # the SM's L1 data path with the operands' TMA writes and wgmma reads.
+            # the SM's L1 data path with the operands' TMA writes and wgmma reads. The tensor
+            # pipe's active cycles say whether the MMA warps idle beside the epilogue.
             local arm metrics=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second
             metrics+=,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum
             metrics+=,lts__t_sectors_op_write.sum,lts__t_sector_hit_rate.pct,sm__inst_executed.sum
             metrics+=,l1tex__throughput.avg.pct_of_peak_sustained_elapsed
             metrics+=,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum
             metrics+=,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+            metrics+=,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed
             metrics=${NCU_METRICS:-$metrics}
             for arm in ${NCU_ARMS:-cublas landed nodeliver nomath}; do
                 run_stage "ncu-$arm" "${NCU:-ncu}" --profile-from-start off --clock-control none \

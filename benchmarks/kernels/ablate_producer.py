@@ -1,8 +1,8 @@
 """Where the warp-specialised producer's time goes: the landed kernel beside copies of it
 with one part switched off, every arm timed over cuBLAS ``x @ W.T`` alone.
 
-A diagnostic, not a benchmark of the product: every variant but ``landed`` computes wrong
-bytes on purpose and is never checked.  A variant is a list of text edits to copies of
+A diagnostic, not a benchmark of the product: every ablation variant computes wrong bytes
+on purpose and is never checked.  A variant is a list of text edits to copies of
 ``cake_sp/kernels/producer_ws.py`` and ``producer_epilogue.py`` written to a temporary
 folder (the package's files are never touched); each edit must match its file exactly once,
 so a variant that no longer applies to the kernel fails before anything is timed rather
@@ -20,6 +20,13 @@ Variants (``VARIANTS``):
 * ``neither``: ``nostore`` and ``notable``;
 * ``nomath``: ``notable``, and the epilogue stores its hand-off tile as it is (no norm
   weight, no RoPE).
+
+Candidates (``CANDIDATES``) are edits that keep the output: each is checked against the
+reference like ``landed`` before it is timed, so a faster candidate is a change to try in
+the kernel itself:
+
+* ``streamstore``: the epilogue's stores with the streaming cache hint (``st.global.cs``),
+  so the output lines leave L2 first rather than the operands the mainloop still reads.
 
 Timing is ``bench_producer``'s: CUDA-graph replays under ``triton.testing.do_bench`` (L2
 flushed) and ``--sustained-ms`` bursts, the arms in rotated order round after round::
@@ -78,6 +85,9 @@ NO_TABLE = Edit(
     "    return load_cos_sin(cos_sin_ptr, table_rows, cos_sin_stride, table_ok & (offs_m < 0),"
     " half_cols, D)")
 NO_MATH = Edit("epilogue", "    p = acc\n", "    p = acc\n    return round_to_bf16(p, INTERPRET)\n")
+STREAM_STORE = Edit("epilogue", "                tl.store(ptrs, out, mask=row_ok[:, None])",
+                    "                tl.store(ptrs, out, mask=row_ok[:, None],"
+                    " cache_modifier='.cs')")
 
 VARIANTS: dict[str, tuple[Edit, ...]] = {
     "landed": (),
@@ -88,7 +98,10 @@ VARIANTS: dict[str, tuple[Edit, ...]] = {
     "notable": (NO_TABLE,),
     "neither": (NO_STORE, NO_TABLE),
     "nomath": (NO_MATH, NO_TABLE),
+    "streamstore": (STREAM_STORE,),
 }
+# The variants whose bytes must equal the landed kernel's (checked before timing).
+CANDIDATES: tuple[str, ...] = ("landed", "streamstore")
 
 
 def landed_sources() -> dict[str, str]:
@@ -183,7 +196,7 @@ def ncu_table(paths: list[Path]) -> str:
 
 
 def build_arms(p: dict, names: list[str], folder: Path) -> dict[str, Callable[[], None]]:
-    """``cublas`` and each variant of ``names``, the landed one checked against the
+    """``cublas`` and each variant of ``names``, those of ``CANDIDATES`` checked against the
     reference into NaN-poisoned buffers first."""
     import bench_producer
     import torch
@@ -191,15 +204,14 @@ def build_arms(p: dict, names: list[str], folder: Path) -> dict[str, Callable[[]
     arms = {"cublas": bench_producer.cublas_arm(p)[0]}
     for name in names:
         arms[name] = variant_arm(p, None if name == "landed" else load_variant(name, folder))
-    if "landed" in arms:
-        check_rows = min(512, p["rows"])
+    check_rows = min(512, p["rows"])
+    ref = bench_producer.reference_heads(p, check_rows, round_projection=False)
+    for name in (n for n in names if n in CANDIDATES):
         for b in p["buffers"]:
             b.fill_(float("nan"))
-        arms["landed"]()
+        arms[name]()
         torch.cuda.synchronize()
-        bench_producer.check_buffers(
-            p, bench_producer.reference_heads(p, check_rows, round_projection=False),
-            check_rows, "landed")
+        bench_producer.check_buffers(p, ref, check_rows, name)
     return arms
 
 

@@ -24,6 +24,15 @@ def test_every_variant_applies_to_the_landed_kernel(name):
     assert changed == {edit.file for edit in ab.VARIANTS[name]}
 
 
+def test_candidates_carry_no_ablation_edit():
+    """A candidate is checked against the reference, so it must not switch a part off."""
+    ablations = {ab.NO_NORM, ab.NO_DELIVERY, *ab.NO_HANDOFF, ab.NO_STORE, ab.NO_TABLE,
+                 ab.NO_MATH}
+    assert "landed" in ab.CANDIDATES and set(ab.CANDIDATES) <= set(ab.VARIANTS)
+    for name in ab.CANDIDATES:
+        assert not ablations & set(ab.VARIANTS[name]), name
+
+
 def test_a_missing_edit_names_the_variant_and_the_file():
     sources = ab.landed_sources()
     sources["epilogue"] = sources["epilogue"].replace(ab.NO_STORE.old, "")
