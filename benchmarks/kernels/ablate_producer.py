@@ -25,8 +25,10 @@ Candidates (``CANDIDATES``) are edits that keep the output: each is checked agai
 reference like ``landed`` before it is timed, so a faster candidate is a change to try in
 the kernel itself:
 
-* ``streamstore``: the epilogue's stores with the streaming cache hint (``st.global.cs``),
-  so the output lines leave L2 first rather than the operands the mainloop still reads.
+* ``streamstore``: the epilogue's stores with the streaming cache hint (``st.global.cs``);
+* ``evictstore``: the epilogue's stores with an L2 evict-first policy
+  (``st.global.L2::cache_hint``), so the output lines leave L2 before the operands the
+  mainloop still reads.
 
 Timing is ``bench_producer``'s: CUDA-graph replays under ``triton.testing.do_bench`` (L2
 flushed) and ``--sustained-ms`` bursts, the arms in rotated order round after round::
@@ -88,6 +90,9 @@ NO_MATH = Edit("epilogue", "    p = acc\n", "    p = acc\n    return round_to_bf
 STREAM_STORE = Edit("epilogue", "                tl.store(ptrs, out, mask=row_ok[:, None])",
                     "                tl.store(ptrs, out, mask=row_ok[:, None],"
                     " cache_modifier='.cs')")
+EVICT_STORE = Edit("epilogue", "                tl.store(ptrs, out, mask=row_ok[:, None])",
+                   "                tl.store(ptrs, out, mask=row_ok[:, None],"
+                   " eviction_policy='evict_first')")
 
 VARIANTS: dict[str, tuple[Edit, ...]] = {
     "landed": (),
@@ -99,9 +104,10 @@ VARIANTS: dict[str, tuple[Edit, ...]] = {
     "neither": (NO_STORE, NO_TABLE),
     "nomath": (NO_MATH, NO_TABLE),
     "streamstore": (STREAM_STORE,),
+    "evictstore": (EVICT_STORE,),
 }
 # The variants whose bytes must equal the landed kernel's (checked before timing).
-CANDIDATES: tuple[str, ...] = ("landed", "streamstore")
+CANDIDATES: tuple[str, ...] = ("landed", "streamstore", "evictstore")
 
 
 def landed_sources() -> dict[str, str]:
