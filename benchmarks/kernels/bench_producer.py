@@ -20,8 +20,7 @@ pointer table of W buffers, so the stores cost HBM bandwidth, not NVLink):
 * ``cublas_fp32``: the GEMM alone with an fp32 output (the cuBLAS engine's first step);
 * ``cublas_engine``: the session's second engine
   (``producer_cublas.qkv_norm_rope_produce_cublas``): ``cublas_fp32``, then one Triton
-  epilogue kernel; with ``--epilogue-heads N,...`` also ``cublas_engine_hN``, its epilogue
-  finishing N heads a program (the rows' RoPE table entries loaded once for them);
+  epilogue kernel;
 * ``unfused``: what the per-operator baselines compute before their exchange, a cuBLAS
   GEMM with the bias (bf16 out) and then their one QK-norm + RoPE launch in place
   (``benchmarks/comm/_norm_rope_op.py``), writing no destination: the pairing the fused
@@ -95,9 +94,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sustained-ms", type=int, default=0,
                    help="per arm and round, ms of back-to-back replays timed, with NVML's "
                    "power and SM clock read over them (0: not measured)")
-    p.add_argument("--epilogue-heads", type=_ints, default=[],
-                   help="comma list: also time the cuBLAS engine with this many heads an "
-                   "epilogue program (each a divisor of both head counts)")
     p.add_argument("--json", metavar="PATH", help="also write rows and environment here")
     return p.parse_args(argv)
 
@@ -165,13 +161,12 @@ def producer_arm(p: dict, mainloop: str) -> Callable[[], None]:
     return _launch_arm(p, qkv_norm_rope_produce, mainloop=mainloop)
 
 
-def cublas_engine_arm(p: dict, epilogue_heads: int | None = None) -> Callable[[], None]:
+def cublas_engine_arm(p: dict) -> Callable[[], None]:
     from cake_sp.kernels.producer_cublas import qkv_norm_rope_produce_cublas
 
     workspace = torch.empty(p["rows"], p["weight"].shape[0], dtype=torch.float32,
                             device=p["x"].device)
-    return _launch_arm(p, qkv_norm_rope_produce_cublas, workspace=workspace,
-                       epilogue_heads=epilogue_heads)
+    return _launch_arm(p, qkv_norm_rope_produce_cublas, workspace=workspace)
 
 
 def cublas_fp32_arm(p: dict) -> Callable[[], None]:
@@ -326,16 +321,13 @@ def check_projection(p: dict, out: torch.Tensor, rows: int) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def checked_front_ends(p: dict, check_rows: int, mainloops: list[str],
-                       epilogue_heads: list[int] = ()
+def checked_front_ends(p: dict, check_rows: int, mainloops: list[str]
                        ) -> tuple[dict[str, Callable[[], None]], dict[str, str]]:
-    """The producer arms, the cuBLAS engine (and its ``epilogue_heads`` variants) and the
-    two baselines, each run once into NaN-poisoned buffers and checked against the
-    reference; returns them and the baselines' checks (``"passed"`` or the failure)."""
+    """The producer arms, the cuBLAS engine and the two baselines, each run once into
+    NaN-poisoned buffers and checked against the reference; returns them and the
+    baselines' checks (``"passed"`` or the failure)."""
     arms = {f"producer_{m}": producer_arm(p, m) for m in mainloops}
     arms["cublas_engine"] = cublas_engine_arm(p)
-    for heads in epilogue_heads:
-        arms[f"cublas_engine_h{heads}"] = cublas_engine_arm(p, heads)
     arms["eager"] = eager_arm(p)
     arms["unfused"], unfused_out = unfused_arm(p)
     checks = {}
@@ -413,8 +405,7 @@ def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
     mainloops = list(args.mainloops)
     if picked.startswith("producer_") and picked[len("producer_"):] not in mainloops:
         mainloops.append(picked[len("producer_"):])
-    front_ends, baseline_checks = checked_front_ends(p, check_rows, mainloops,
-                                                     args.epilogue_heads)
+    front_ends, baseline_checks = checked_front_ends(p, check_rows, mainloops)
     samples, board = timed(dict(cublas=cublas, cublas_fp32=cublas_fp32_arm(p), **front_ends),
                            args)
     ms = {name: statistics.median(v) for name, v in samples.items()}
@@ -426,8 +417,7 @@ def bench_row(world: int, hidden: int, seq_global: int, args) -> dict:
                                 watts=statistics.median(b["watts"] for b in v),
                                 sm_mhz=statistics.median(b["sm_mhz"] for b in v))
                      for name, v in board.items()}
-    engines = [*(f"producer_{m}" for m in mainloops), "cublas_engine",
-               *(f"cublas_engine_h{h}" for h in args.epilogue_heads)]
+    engines = [*(f"producer_{m}" for m in mainloops), "cublas_engine"]
     flop = 2 * rows * p["weight"].shape[0] * hidden
     return dict(world=world, hidden=hidden, seq_global=seq_global, rows=rows,
                 q_heads=p["plan"].num_q_heads, kv_heads=p["plan"].num_kv_heads, ms=ms,

@@ -120,9 +120,6 @@ PRODUCER_FUSED_MIN_FILL: float = 0.9
 # 16,384 rows); 64 x 128 at 4 warps took 1.01-1.05x, 128 x 128 at 4 or 8 warps 1.02-1.12x.
 PRODUCER_EPILOGUE_TILE_VALUES: int = 64 * 128
 PRODUCER_EPILOGUE_NUM_WARPS: int = 8
-# Heads one program of that kernel finishes, loading their rows' RoPE table entries once
-# (the largest of these dividing both Hq and Hkv; producer_epilogue_heads).
-PRODUCER_EPILOGUE_HEADS: tuple[int, ...] = (1,)
 
 
 # Overrides of the engine choice and of the default mainloop, for tests and tuning, read
@@ -351,13 +348,6 @@ def producer_tile_m(head_dim: int, block_m: int) -> int:
     if INTERPRET:
         return max(128, block_m)
     return max(64 if head_dim > 128 else 256, block_m)
-
-
-def producer_epilogue_heads(num_q_heads: int, num_kv_heads: int) -> int:
-    """Heads a program of the cuBLAS engine's epilogue takes: the largest of
-    ``PRODUCER_EPILOGUE_HEADS`` dividing both head counts (a group never spans two kinds)."""
-    return max(h for h in (*PRODUCER_EPILOGUE_HEADS, 1)
-               if num_q_heads % h == 0 and num_kv_heads % h == 0)
 
 
 def producer_epilogue_tile_m(head_dim: int, block_m: int) -> int:

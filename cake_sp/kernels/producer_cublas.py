@@ -29,7 +29,7 @@ import triton.language as tl
 
 from cake_sp.kernels import _config
 from cake_sp.kernels.producer import check_producer_inputs, epilogue_constants, signal_args
-from cake_sp.kernels.producer_epilogue import deliver_tile, tile_coords, tile_cos_sin
+from cake_sp.kernels.producer_epilogue import deliver_tile, tile_coords
 from cake_sp.kernels.signals import ProducerSignals
 from cake_sp.layouts import DestLayout, HeadPlan
 
@@ -50,53 +50,31 @@ def _deliver_projection_kernel(p_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
                                HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
                                HAS_POSITIONS: tl.constexpr, ROPE_STYLE: tl.constexpr,
                                SIGNAL: tl.constexpr, READY_M: tl.constexpr,
-                               HEADS: tl.constexpr, Q_BAND: tl.constexpr,
-                               KV_BAND: tl.constexpr, INTERPRET: tl.constexpr):
-    """One program per (row block, ``HEADS`` adjacent heads of one kind); within a row block
-    consecutive programs take head groups bound for different ranks (``tile_coords`` over
-    groups, ``Q_BAND`` / ``KV_BAND`` of them a destination band).  With several heads a
-    program, their rows' RoPE table entries are loaded once for all of them (none for V)."""
+                               INTERPRET: tl.constexpr):
+    """One program per (row block, head) tile; within a row block consecutive programs take
+    heads bound for different ranks (``tile_coords`` with one group of every head)."""
     TOTAL_HEADS: tl.constexpr = NUM_Q_HEADS + 2 * NUM_KV_HEADS
-    row_block, group = tile_coords(tl.program_id(0), row_blocks, NUM_Q_HEADS // HEADS,
-                                   NUM_KV_HEADS // HEADS, Q_BAND, KV_BAND, TOTAL_HEADS // HEADS)
-    head = group * HEADS
+    row_block, head = tile_coords(tl.program_id(0), row_blocks, NUM_Q_HEADS, NUM_KV_HEADS,
+                                  Q_PER_RANK, KV_PER_RANK, TOTAL_HEADS)
     offs_m = row_block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < rows
     cols = tl.arange(0, D)
-    half_cols = tl.arange(0, D // 2)
+    acc = tl.load(p_ptr + offs_m[:, None] * (TOTAL_HEADS * D) + head * D + cols[None, :],
+                  mask=(offs_m < rows)[:, None], other=0.0)
     if SIGNAL:
         epoch = tl.load(epoch_ptr)
     else:
         epoch = tl.full((), 0, tl.int64)
-    entered = tl.full((), 0, tl.int64)
-    failed = tl.full((), 0, tl.int64)
-    inputs = (bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, cos_sin_stride, cos_sin_rows,
-              pos_ptr, bad_pos_ptr, eps)
-    if HEADS == 1:
-        cos_sin = None
-    else:
-        rotated = row_ok & (head < NUM_Q_HEADS + NUM_KV_HEADS)
-        cos_sin = tile_cos_sin(offs_m, rotated, half_cols, inputs, D, HAS_POSITIONS, HEADS)
-    for h in tl.static_range(HEADS):
-        acc = tl.load(p_ptr + offs_m[:, None] * (TOTAL_HEADS * D) + (head + h) * D
-                      + cols[None, :], mask=row_ok[:, None], other=0.0)
-        entered, failed = deliver_tile(
-            acc, row_block, head + h, offs_m, cols, half_cols, entered, failed, rows, inputs,
-            (dest_table_ptr, seq_local, dest_seq_len, dest_seq_offset, region_q, region_k,
-             region_v, token_stride_q, token_stride_k, token_stride_v, head_stride_q,
-             head_stride_k, head_stride_v),
-            (epoch, enter_ptr, word_table_ptr, status_ptr, source_rank, max_row_blocks,
-             timeout_ns),
-            NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D, BLOCK_M,
-            HAS_BIAS, HAS_Q_NORM, HAS_K_NORM, HAS_POSITIONS, ROPE_STYLE, SIGNAL, READY_M, False,
-            INTERPRET, cos_sin=cos_sin)
-
-
-def _band_groups(per_rank: int, heads: int) -> int:
-    """Head groups of ``heads`` a destination band holds, for ``tile_coords``' round-robin
-    over groups: the band's heads over ``heads``, or 1 (groups in projection order) where a
-    band's heads are not whole groups."""
-    return per_rank // heads if per_rank % heads == 0 else 1
+    nothing = tl.full((), 0, tl.int64)
+    deliver_tile(
+        acc, row_block, head, offs_m, cols, tl.arange(0, D // 2), nothing, nothing, rows,
+        (bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_ptr, cos_sin_stride, cos_sin_rows, pos_ptr,
+         bad_pos_ptr, eps),
+        (dest_table_ptr, seq_local, dest_seq_len, dest_seq_offset, region_q, region_k, region_v,
+         token_stride_q, token_stride_k, token_stride_v, head_stride_q, head_stride_k,
+         head_stride_v),
+        (epoch, enter_ptr, word_table_ptr, status_ptr, source_rank, max_row_blocks, timeout_ns),
+        NUM_Q_HEADS, NUM_KV_HEADS, Q_PER_RANK, KV_PER_RANK, KV_REPLICAS, D, BLOCK_M, HAS_BIAS,
+        HAS_Q_NORM, HAS_K_NORM, HAS_POSITIONS, ROPE_STYLE, SIGNAL, READY_M, False, INTERPRET)
 
 
 def project_fp32(x: torch.Tensor, qkv_weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -128,7 +106,6 @@ def qkv_norm_rope_produce_cublas(
     bad_positions: torch.Tensor | None = None,
     block_m: int | None = None,
     workspace: torch.Tensor | None = None,
-    epilogue_heads: int | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """:func:`producer.qkv_norm_rope_produce` on the cuBLAS engine; returns the projection.
@@ -139,9 +116,6 @@ def qkv_norm_rope_produce_cublas(
         fp32 ``[rows, (Hq + 2 * Hkv) * D]``, contiguous, for ``x @ qkv_weight.T`` (the bias
         is not in it); None allocates one from PyTorch's caching allocator.  The
         caller owns it; autograd keeps it to skip recomputing the projection.
-    epilogue_heads : int or None
-        Heads one epilogue program finishes (their RoPE table rows loaded once): a divisor
-        of both ``Hq`` and ``Hkv``; None takes ``_config.producer_epilogue_heads``'s choice.
 
     Returns the workspace.  Runs on the current stream; the host does not block.
     """
@@ -162,12 +136,6 @@ def qkv_norm_rope_produce_cublas(
             raise ValueError(f"qkv_norm_rope_produce_cublas: workspace must be contiguous "
                              f"fp32 [{rows}, {n}] on {x.device}, got {workspace.dtype} "
                              f"{tuple(workspace.shape)} on {workspace.device}")
-        if epilogue_heads is not None and (
-                not isinstance(epilogue_heads, int) or epilogue_heads < 1
-                or plan.num_q_heads % epilogue_heads or plan.num_kv_heads % epilogue_heads):
-            raise ValueError(f"qkv_norm_rope_produce_cublas: epilogue_heads must be a positive "
-                             f"divisor of both Hq = {plan.num_q_heads} and Hkv = "
-                             f"{plan.num_kv_heads}, got {epilogue_heads!r}")
     if workspace is None:
         workspace = torch.empty(rows, n, dtype=torch.float32, device=x.device)
     epoch, enter, word_table, status, source_rank, max_row_blocks, timeout_ns = \
@@ -177,14 +145,11 @@ def qkv_norm_rope_produce_cublas(
     project_fp32(x, qkv_weight, workspace)
     tile_m = _config.producer_epilogue_tile_m(plan.head_dim, block_m)
     row_blocks = triton.cdiv(rows, tile_m)
-    heads = epilogue_heads or _config.producer_epilogue_heads(plan.num_q_heads,
-                                                              plan.num_kv_heads)
-    _deliver_projection_kernel[(row_blocks * (plan.total_heads // heads),)](
+    _deliver_projection_kernel[(row_blocks * plan.total_heads,)](
         workspace, qkv_bias, q_norm_weight, k_norm_weight, cos_sin, positions, bad_positions,
         dest_table, epoch, enter, word_table, status, rows, row_blocks, cos_sin.stride(0),
         cos_sin.shape[0], eps, seq_local, dest.seq_len, dest_seq_offset, *dest.region_offset,
         *dest.token_stride, *dest.head_stride, source_rank, max_row_blocks, timeout_ns,
-        BLOCK_M=tile_m, HEADS=heads, Q_BAND=_band_groups(plan.q_per_rank, heads),
-        KV_BAND=_band_groups(plan.kv_per_rank, heads), INTERPRET=_config.INTERPRET,
+        BLOCK_M=tile_m, INTERPRET=_config.INTERPRET,
         **{**constants, "num_warps": _config.PRODUCER_EPILOGUE_NUM_WARPS})
     return workspace

@@ -65,7 +65,6 @@ class Case:
     num_sms: int | None = None
     mainloop: str | None = None  # None: the launch default
     engine: str = "fused"  # or "cublas" (producer_cublas.py)
-    epilogue_heads: int | None = None  # the cuBLAS engine's heads a program; None: its default
 
     @property
     def rows(self) -> int:
@@ -116,15 +115,6 @@ CASES = {
     # ... with the fused layout, no norms, D = 256.
     "w2-cublas-fused-d256": Case(2, 2, 2, head_dim=256, hidden=64, layout="fused",
                                  q_norm=False, k_norm=False, block_m=16, engine="cublas"),
-    # ... two heads an epilogue program (one table load for both): K/V bands of one head.
-    "w2-cublas-split-heads2": Case(2, 4, 2, hidden=192, batch=2, seq_local=50,
-                                   rope_style="neox", bias=True, positions=torch.int64,
-                                   block_m=32, engine="cublas", epilogue_heads=2),
-    # ... bands of two and four heads, groups of two and four, D = 64.
-    "w2-cublas-wide-heads2": Case(2, 8, 4, head_dim=64, hidden=64, bias=True,
-                                  positions=torch.int32, engine="cublas", epilogue_heads=2),
-    "w2-cublas-wide-heads4": Case(2, 8, 4, head_dim=64, hidden=64, rope_style="neox",
-                                  k_norm=False, engine="cublas", epilogue_heads=4),
 }
 
 
@@ -281,7 +271,7 @@ class VirtualRanks:
         args = (src["x"], inputs["weight"], inputs["bias"], inputs["q_norm"], inputs["k_norm"],
                 src["cos_sin"], src["positions"])
         if c.engine == "cublas":
-            qkv_norm_rope_produce_cublas(*args, **common, epilogue_heads=c.epilogue_heads)
+            qkv_norm_rope_produce_cublas(*args, **common)
         else:
             qkv_norm_rope_produce(*args, **common, num_sms=c.num_sms, mainloop=c.mainloop)
 
@@ -447,8 +437,7 @@ def test_warp_specialized_head_pairs_match_oracle(name, device, record_property,
 
 @pytest.mark.parametrize("pairs", [False, True], ids=["", "pairs"])
 @pytest.mark.parametrize("name", ["w2-gqa-split-200", "w4-gqa-repl-d64", "w2-tma",
-                                  "w2-cublas-split", "w2-cublas-split-heads2",
-                                  "w2-cublas-wide-heads2"])
+                                  "w2-cublas-split"])
 def test_positions_outside_the_table_are_counted_and_read_nothing(name, pairs, device,
                                                                   record_property, monkeypatch):
     """Positions < 0 or >= the table's rows: those Q/K rows rotate by cos = sin = 0 (the
@@ -609,13 +598,6 @@ def test_rejects_bad_inputs(device, change, error, match):
     change(args, kwargs)
     with pytest.raises(error, match=match):
         qkv_norm_rope_produce(*args, **kwargs)
-
-
-@pytest.mark.parametrize("heads", [0, 3, 2.0])
-def test_cublas_engine_rejects_epilogue_heads_that_split_a_kind(heads, device):
-    args, kwargs = _valid_args(device)  # Hq = Hkv = 2
-    with pytest.raises(ValueError, match="epilogue_heads must be a positive divisor of both"):
-        qkv_norm_rope_produce_cublas(*args, **kwargs, epilogue_heads=heads)
 
 
 def test_rejects_readiness_of_another_block_m(device):

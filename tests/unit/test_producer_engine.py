@@ -199,12 +199,3 @@ def test_epilogue_tile_rows_hold_whole_readiness_blocks(head_dim, block_m, tile_
     assert _config.PRODUCER_EPILOGUE_TILE_VALUES == 64 * 128
     got = _config.producer_epilogue_tile_m(head_dim, block_m)
     assert got == tile_m and got % block_m == 0
-
-
-@pytest.mark.parametrize("choices, hq, hkv, heads", [
-    ((1,), 32, 8, 1), ((4, 2), 32, 8, 4), ((4, 2), 24, 2, 2), ((4, 2), 6, 3, 1),
-    ((8, 4), 64, 4, 4),
-])
-def test_epilogue_heads_divide_both_kinds(choices, hq, hkv, heads, monkeypatch):
-    monkeypatch.setattr(_config, "PRODUCER_EPILOGUE_HEADS", choices)
-    assert _config.producer_epilogue_heads(hq, hkv) == heads
