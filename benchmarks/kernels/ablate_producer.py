@@ -79,20 +79,16 @@ NO_HANDOFF = (
     Edit("ws", "        mbarrier.wait(acc_full, t & 1)\n", ""),
     Edit("ws", "        gl.thread_barrier()\n        mbarrier.arrive(acc_empty)\n", ""),
 )
-NO_STORE = Edit("epilogue", "                tl.store(ptrs, out, mask=row_ok[:, None])",
-                "                tl.store(ptrs, out, mask=row_ok[:, None] & (rows < 0))")
+STORE = "                tl.store(ptrs, out, mask=row_ok[:, None])"  # the epilogue's one store
+NO_STORE = Edit("epilogue", STORE, STORE.replace("row_ok[:, None]", "row_ok[:, None] & (rows < 0)"))
 NO_TABLE = Edit(
     "epilogue",
     "    return load_cos_sin(cos_sin_ptr, table_rows, cos_sin_stride, table_ok, half_cols, D)",
     "    return load_cos_sin(cos_sin_ptr, table_rows, cos_sin_stride, table_ok & (offs_m < 0),"
     " half_cols, D)")
 NO_MATH = Edit("epilogue", "    p = acc\n", "    p = acc\n    return round_to_bf16(p, INTERPRET)\n")
-STREAM_STORE = Edit("epilogue", "                tl.store(ptrs, out, mask=row_ok[:, None])",
-                    "                tl.store(ptrs, out, mask=row_ok[:, None],"
-                    " cache_modifier='.cs')")
-EVICT_STORE = Edit("epilogue", "                tl.store(ptrs, out, mask=row_ok[:, None])",
-                   "                tl.store(ptrs, out, mask=row_ok[:, None],"
-                   " eviction_policy='evict_first')")
+STREAM_STORE = Edit("epilogue", STORE, STORE[:-1] + ", cache_modifier='.cs')")
+EVICT_STORE = Edit("epilogue", STORE, STORE[:-1] + ", eviction_policy='evict_first')")
 
 VARIANTS: dict[str, tuple[Edit, ...]] = {
     "landed": (),
