@@ -28,7 +28,9 @@ the kernel itself:
 * ``streamstore``: the epilogue's stores with the streaming cache hint (``st.global.cs``);
 * ``evictstore``: the epilogue's stores with an L2 evict-first policy
   (``st.global.L2::cache_hint``), so the output lines leave L2 before the operands the
-  mainloop still reads.
+  mainloop still reads;
+* ``group2x``: head-pair tiles walk the row blocks of twice as many heads a group, so each
+  ``x`` row block is read from DRAM half as often (the weights of a group double in L2).
 
 Timing is ``bench_producer``'s: CUDA-graph replays under ``triton.testing.do_bench`` (L2
 flushed) and ``--sustained-ms`` bursts, the arms in rotated order round after round::
@@ -89,6 +91,8 @@ NO_TABLE = Edit(
 NO_MATH = Edit("epilogue", "    p = acc\n", "    p = acc\n    return round_to_bf16(p, INTERPRET)\n")
 STREAM_STORE = Edit("epilogue", STORE, STORE[:-1] + ", cache_modifier='.cs')")
 EVICT_STORE = Edit("epilogue", STORE, STORE[:-1] + ", eviction_policy='evict_first')")
+PAIR_GROUP = "_pair_band(KV_PER_RANK),\n                                      GROUP_HEADS)"
+GROUP_2X = Edit("ws", PAIR_GROUP, PAIR_GROUP[:-1] + " * 2)")
 
 VARIANTS: dict[str, tuple[Edit, ...]] = {
     "landed": (),
@@ -101,9 +105,10 @@ VARIANTS: dict[str, tuple[Edit, ...]] = {
     "nomath": (NO_MATH, NO_TABLE),
     "streamstore": (STREAM_STORE,),
     "evictstore": (EVICT_STORE,),
+    "group2x": (GROUP_2X,),
 }
 # The variants whose bytes must equal the landed kernel's (checked before timing).
-CANDIDATES: tuple[str, ...] = ("landed", "streamstore", "evictstore")
+CANDIDATES: tuple[str, ...] = ("landed", "streamstore", "evictstore", "group2x")
 
 
 def landed_sources() -> dict[str, str]:
