@@ -10,7 +10,9 @@
 # CAKE_SP_TEST_CALLS / CAKE_SP_TEST_CASES the back-to-back call count and a subset of the
 # cases, see tests/multi_gpu/test_session.py), demo (one rank, NCCL path),
 # sanitizer (compute-sanitizer memcheck + racecheck on the in-process NVLink protocol),
-# bench-producer, bench-append, anchor-append (FlashInfer's append kernels beside ours, from a
+# bench-producer, bench-append, bench-append-shapes (the append beyond the anchor's shapes, each
+# beside the anchor row it is nearest to; APPEND_SHAPES_ARGS adds options), anchor-append
+# (FlashInfer's append kernels beside ours, from a
 # copy of that measuring tool in ANCHOR_DIR, default .anchors/flashinfer_append), bench-fmha,
 # bench-comm (the comm benchmark with ranks sharing GPU 0;
 # BENCH_COMM_ARGS replaces its --rows), bench-smoke-shared (the comm benchmark's smoke test on GPU 0
@@ -169,6 +171,9 @@ run_named() {
             cat "$OUT/ncu_producer.md" ;;
         bench-append) run_stage bench-append $PY benchmarks/kernels/bench_qk_rope_append.py \
                           --json "$OUT/bench_append.json" ;;
+        bench-append-shapes) run_stage bench-append-shapes $PY \
+                                 benchmarks/kernels/bench_append_shapes.py \
+                                 --json "$OUT/bench_append_shapes.json" ${APPEND_SHAPES_ARGS:-} ;;
         anchor-append)
             # FlashInfer's own append kernels built and timed beside ours (a copy of the
             # measuring tool in ANCHOR_DIR; ANCHOR_ARGS pass through, e.g. "--op bf16").

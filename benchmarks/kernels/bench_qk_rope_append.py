@@ -108,15 +108,20 @@ def launch_floor_us() -> float:
 # ----------------------------------------------------------------------------- problem
 
 
-def make_problem(num_req: int, new: int, heads: tuple[int, int], quant: int, norm: int,
-                 args) -> dict:
+def make_problem(num_req: int, new: int, heads: tuple[int, int], quant: int, norm: int, *,
+                 page_size: int, prefix: int, head_dim: int = HEAD_DIM,
+                 kv_layout: str = "NHD") -> dict:
+    """Inputs of one call: ``num_req`` requests of ``prefix`` cached tokens appending ``new``
+    each, ``heads = (Hq, Hkv)``, caches of ``kv_layout`` (NHD ``[pages, page, Hkv, D]`` or
+    HND ``[pages, Hkv, page, D]``) in a shuffled page table."""
     hq, hkv = heads
-    dev, d, ps = "cuda", HEAD_DIM, args.page_size
-    seq = args.prefix + new
+    dev, d, ps = "cuda", head_dim, page_size
+    seq = prefix + new
     pages_per_req = -(-seq // ps)
     num_pages = num_req * pages_per_req + 8
     t = num_req * new
     cache_dtype = torch.bfloat16 if quant == 0 else FP8
+    cache_shape = (num_pages, ps, hkv, d) if kv_layout == "NHD" else (num_pages, hkv, ps, d)
     max_pos = seq + 1
     inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float64) / d)
     ang = torch.arange(max_pos, device=dev, dtype=torch.float64)[:, None] * inv_freq
@@ -127,16 +132,16 @@ def make_problem(num_req: int, new: int, heads: tuple[int, int], quant: int, nor
         q_indptr=torch.arange(0, t + 1, new, dtype=torch.int32, device=dev),
         page_indices=torch.randperm(num_pages, device=dev)[:num_req * pages_per_req]
         .view(num_req, pages_per_req).to(torch.int32),
-        caches=[torch.zeros(num_pages, ps, hkv, d, device=dev).to(cache_dtype) for _ in range(2)],
+        caches=[torch.zeros(cache_shape, device=dev).to(cache_dtype) for _ in range(2)],
         weights=[torch.rand(d, device=dev) + 0.5 for _ in range(2)],
         scales=[torch.tensor([s], device=dev) for s in (0.01, 0.02, 150.0)],
-        hq=hq, hkv=hkv, quant=quant, norm=norm, num_req=num_req, new=new, seq=seq, t=t,
-        max_seqlen=new, prefill=new > 1)
+        hq=hq, hkv=hkv, d=d, page_size=ps, kv_layout=kv_layout, quant=quant, norm=norm,
+        num_req=num_req, new=new, seq=seq, t=t, max_seqlen=new, prefill=new > 1)
 
 
-def bytes_moved(p: dict, page_size: int) -> int:
+def bytes_moved(p: dict) -> int:
     """Bytes the op must move at least, from the metadata."""
-    t, hq, hkv, d = p["t"], p["hq"], p["hkv"], HEAD_DIM
+    t, hq, hkv, d, page_size = p["t"], p["hq"], p["hkv"], p["d"], p["page_size"]
     out_elt = 2 if p["quant"] == 0 else 1
     read = t * (hq + 2 * hkv) * d * 2 + t * d * 4
     write = t * (hq + 2 * hkv) * d * out_elt
@@ -151,10 +156,10 @@ def fused_call(p: dict) -> Callable[[], None]:
     import cake_sp
 
     kw = dict(qk_norm_policy=p["norm"], q_norm_weight=p["weights"][0],
-              k_norm_weight=p["weights"][1])
+              k_norm_weight=p["weights"][1], kv_layout=p["kv_layout"])
     args = (p["qkv"], p["cos_sin"], p["seq_lens"], p["q_indptr"], p["page_indices"])
     if p["quant"] == 0:
-        out_q = torch.empty(p["t"], p["hq"], HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        out_q = torch.empty(p["t"], p["hq"], p["d"], dtype=torch.bfloat16, device="cuda")
         return lambda: cake_sp.fused_qk_rmsnorm_rope_append_paged_kv_cache(
             *args, *p["caches"], num_q_heads=p["hq"], num_kv_heads=p["hkv"], out_q=out_q, **kw)
     out = cake_sp.fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache(
@@ -166,9 +171,9 @@ def fused_call(p: dict) -> Callable[[], None]:
         split_k_flag=out[2], **kw)
 
 
-def stepwise_call(p: dict, page_size: int) -> Callable[[], None]:
-    """The same step as separate torch ops; no host sync, so it can be captured."""
-    hq, hkv, d, t = p["hq"], p["hkv"], HEAD_DIM, p["t"]
+def stepwise_call(p: dict) -> Callable[[], None]:
+    """The same step as separate torch ops (NHD caches); no host sync, so it can be captured."""
+    hq, hkv, d, t, page_size = p["hq"], p["hkv"], p["d"], p["t"], p["page_size"]
     tok = torch.arange(t, device="cuda")
 
     def rmsnorm(x, w):
@@ -265,9 +270,10 @@ def main(argv=None) -> int:
         for heads in HEADS:
             for quant in quants:
                 for norm in norms:
-                    p = make_problem(num_req, new, heads, quant, norm, args)
-                    fused, step = fused_call(p), stepwise_call(p, args.page_size)
-                    moved = bytes_moved(p, args.page_size)
+                    p = make_problem(num_req, new, heads, quant, norm,
+                                     page_size=args.page_size, prefix=args.prefix)
+                    fused, step = fused_call(p), stepwise_call(p)
+                    moved = bytes_moved(p)
                     floor = max(moved / bandwidth * 1e6, launch)
                     r = dict(mode=mode, B=num_req, Q=new, heads=heads, quant=quant, norm=norm,
                              bytes=moved,

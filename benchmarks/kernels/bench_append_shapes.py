@@ -1,0 +1,189 @@
+"""The append kernels beyond the anchor's shapes: each shape beside the anchor shape it is
+nearest to, timed in the same process.
+
+FlashInfer's Cake append kernels (``../shared/anchors/flashinfer_append``) cover D = 128,
+NHD caches and the heads ``(8, 1)`` and ``(64, 8)``.  Ours take any GQA, D 64/128/256,
+both layouts and any page size, and must be no slower there than on the nearest shape the
+anchor covers.  Each row here changes one thing of an anchor row (its *base*: the anchor's
+batch, new tokens and heads, D = 128, NHD, pages of 16 after 1,000 cached tokens) and
+compares per byte where the new shape moves more::
+
+    ratio = time(shape) / (time(base) * max(1, bytes(shape) / bytes(base)))
+
+so 1.0 or less is no slower than the base (and no slower per byte than it where the shape
+moves more).  Bytes are ``bench_qk_rope_append.bytes_moved``'s.  Every shape and its
+base run as CUDA graphs of ``--calls-per-graph`` calls (L2 warm, as the anchor times),
+the two replayed alternately (A/B/B/A) for ``--rounds`` rounds, medians::
+
+    python benchmarks/kernels/bench_append_shapes.py --json append_shapes.json
+
+Prints one Markdown table last, a row per shape, and the rows over ``--limit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from _graphs import graphed
+from bench_qk_rope_append import bytes_moved, fused_call, make_problem
+
+
+@dataclass(frozen=True)
+class Base:
+    """An anchor row: ``batch`` requests appending ``new`` tokens each, ``heads = (Hq, Hkv)``."""
+
+    name: str
+    batch: int
+    new: int
+    heads: tuple[int, int]
+
+
+# Anchor rows (the harness's names): decode at both head counts, a short and a long prefill.
+BASES = (Base("M1", 32, 1, (8, 1)), Base("H3", 128, 1, (64, 8)),
+         Base("H4", 1, 128, (64, 8)), Base("L1", 1, 1024, (8, 1)))
+# What a shape changes of its base (one thing each): heads, head dim, layout, page size.
+HEADS = {(8, 1): ((16, 2), (6, 1), (8, 8)), (64, 8): ((32, 8), (40, 8), (32, 4))}
+HEAD_DIMS = (64, 256)
+PAGE_SIZES = (1, 32, 256)
+PREFIX = 1000
+BASE_PAGE = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One call shape: a base's batch and new tokens with these heads, D, layout, pages."""
+
+    heads: tuple[int, int]
+    head_dim: int = 128
+    kv_layout: str = "NHD"
+    page_size: int = BASE_PAGE
+
+    def label(self, base: Base) -> str:
+        changed = [f"heads {self.heads}" if self.heads != base.heads else "",
+                   f"D {self.head_dim}" if self.head_dim != 128 else "",
+                   self.kv_layout if self.kv_layout != "NHD" else "",
+                   f"page {self.page_size}" if self.page_size != BASE_PAGE else ""]
+        return ", ".join(c for c in changed if c) or "base"
+
+
+def shapes_of(base: Base) -> list[Shape]:
+    """The shapes compared with ``base``: each changes one thing of it."""
+    return ([Shape(h) for h in HEADS[base.heads]]
+            + [Shape(base.heads, head_dim=d) for d in HEAD_DIMS]
+            + [Shape(base.heads, kv_layout="HND")]
+            + [Shape(base.heads, page_size=ps) for ps in PAGE_SIZES])
+
+
+def per_byte_ratio(time_us: float, moved: int, base_us: float, base_moved: int) -> float:
+    """``time / (base time * max(1, bytes / base bytes))``: above 1, slower than the base
+    (per byte where the shape moves more)."""
+    return time_us / (base_us * max(1.0, moved / base_moved))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quant", default="0,2", help="comma list: 0 BF16 op, 1/2 FP8 quant_policy")
+    p.add_argument("--norm", default="2,0", help="comma list of qk_norm_policy values")
+    p.add_argument("--bases", default=",".join(b.name for b in BASES))
+    p.add_argument("--calls-per-graph", type=int, default=20)
+    p.add_argument("--replays", type=int, default=5, help="replays a sample")
+    p.add_argument("--rounds", type=int, default=10, help="A/B/B/A rounds")
+    p.add_argument("--limit", type=float, default=1.0, help="ratios above this are listed")
+    p.add_argument("--json", metavar="PATH", help="also write rows and environment here")
+    return p.parse_args(argv)
+
+
+def sample_us(replay: Callable[[], None], calls: int, replays: int) -> float:
+    """Microseconds per call of one sample: ``replays`` replays of a ``calls``-call graph."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
+
+
+def graph_of(p: dict, calls: int) -> Callable[[], None]:
+    """A replay of ``calls`` back-to-back calls of problem ``p``."""
+    call = fused_call(p)
+
+    def calls_in_a_row():
+        for _ in range(calls):
+            call()
+    return graphed(calls_in_a_row)
+
+
+def time_pair(a: Callable[[], None], b: Callable[[], None], args) -> tuple[float, float]:
+    """Medians of ``a`` and ``b`` over A/B/B/A rounds."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(args.rounds):
+        for which in (0, 1, 1, 0):
+            times[which].append(sample_us((a, b)[which], args.calls_per_graph, args.replays))
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def markdown(rows: list[dict], limit: float) -> str:
+    lines = ["| base | op | norm | shape | base us | shape us | bytes / base's | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['base']} | {r['op']} | {r['norm']} | {r['shape']} | "
+                     f"{r['base_us']:.2f} | {r['shape_us']:.2f} | {r['bytes_ratio']:.2f} | "
+                     f"{r['ratio']:.3f} |")
+    over = [r for r in rows if r["ratio"] > limit]
+    lines += ["", f"{len(over)} of {len(rows)} shapes above {limit}: "
+              + ("; ".join(f"{r['base']} {r['op']} norm {r['norm']} {r['shape']} "
+                           f"{r['ratio']:.3f}" for r in over) or "none")]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_append_shapes: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    by_name = {b.name: b for b in BASES}
+    unknown = set(args.bases.split(",")) - set(by_name)
+    if unknown:
+        print(f"bench_append_shapes: --bases must name rows of {sorted(by_name)}, got "
+              f"{sorted(unknown)}", file=sys.stderr)
+        return 2
+    rows = []
+    for base in (by_name[n] for n in args.bases.split(",")):
+        for quant in (int(x) for x in args.quant.split(",")):
+            for norm in (int(x) for x in args.norm.split(",")):
+                def problem(shape: Shape, base=base, quant=quant, norm=norm) -> dict:
+                    return make_problem(base.batch, base.new, shape.heads, quant, norm,
+                                        page_size=shape.page_size, prefix=PREFIX,
+                                        head_dim=shape.head_dim, kv_layout=shape.kv_layout)
+                base_p = problem(Shape(base.heads))
+                base_replay = graph_of(base_p, args.calls_per_graph)
+                for shape in shapes_of(base):
+                    p = problem(shape)
+                    base_us, shape_us = time_pair(base_replay, graph_of(p, args.calls_per_graph),
+                                                  args)
+                    r = dict(base=base.name, op="bf16" if quant == 0 else f"fp8 q{quant}",
+                             norm=norm, shape=shape.label(base), base_us=base_us,
+                             shape_us=shape_us, bytes_ratio=bytes_moved(p) / bytes_moved(base_p),
+                             ratio=per_byte_ratio(shape_us, bytes_moved(p), base_us,
+                                                  bytes_moved(base_p)))
+                    rows.append(r)
+                    print(json.dumps(r), file=sys.stderr)
+    if args.json:
+        env = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                   args=vars(args))
+        with open(args.json, "w") as f:
+            json.dump(dict(environment=env, rows=rows), f, indent=1)
+    print(markdown(rows, args.limit))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

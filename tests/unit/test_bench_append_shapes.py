@@ -1,0 +1,44 @@
+"""The append-shapes benchmark's host pieces: each shape changes one thing of its base, and
+the ratio is per byte only where the shape moves more."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"))
+
+pytest.importorskip("torch")
+import bench_append_shapes as bas  # noqa: E402
+
+
+@pytest.mark.parametrize("base", bas.BASES, ids=lambda b: b.name)
+def test_every_shape_changes_one_thing_of_its_base(base):
+    anchor = bas.Shape(base.heads)
+    shapes = bas.shapes_of(base)
+    assert len(set(shapes)) == len(shapes)
+    for shape in shapes:
+        changed = [f.name for f in dataclasses.fields(bas.Shape)
+                   if getattr(shape, f.name) != getattr(anchor, f.name)]
+        assert len(changed) == 1, (shape, changed)
+        assert shape.label(base) != "base"
+    assert anchor.label(base) == "base"
+
+
+def test_per_byte_ratio_scales_only_when_the_shape_moves_more():
+    # Fewer bytes than the base: compared with the base's time as it is.
+    assert bas.per_byte_ratio(3.0, 50, 2.0, 100) == pytest.approx(1.5)
+    # Twice the bytes: the base's time doubled is the bar.
+    assert bas.per_byte_ratio(3.0, 200, 2.0, 100) == pytest.approx(0.75)
+    assert bas.per_byte_ratio(5.0, 200, 2.0, 100) == pytest.approx(1.25)
+
+
+def test_markdown_lists_the_rows_over_the_limit():
+    row = dict(base="M1", op="bf16", norm=2, shape="D 64", base_us=2.0, shape_us=2.2,
+               bytes_ratio=0.5, ratio=1.1)
+    text = bas.markdown([row, {**row, "shape": "HND", "ratio": 0.9}], 1.0)
+    assert "1 of 2 shapes above 1.0: M1 bf16 norm 2 D 64 1.100" in text
+    assert "| M1 | bf16 | 2 | HND | 2.00 | 2.20 | 0.50 | 0.900 |" in text
