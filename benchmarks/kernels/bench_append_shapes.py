@@ -80,6 +80,12 @@ def shapes_of(base: Base) -> list[Shape]:
             + [Shape(base.heads, page_size=ps) for ps in PAGE_SIZES])
 
 
+def problem_of(base: Base, shape: Shape, quant: int, norm: int) -> dict:
+    """``bench_qk_rope_append``'s inputs for ``shape`` at ``base``'s batch and new tokens."""
+    return make_problem(base.batch, base.new, shape.heads, quant, norm, page_size=shape.page_size,
+                        prefix=PREFIX, head_dim=shape.head_dim, kv_layout=shape.kv_layout)
+
+
 def per_byte_ratio(time_us: float, moved: int, base_us: float, base_moved: int) -> float:
     """``time / (base time * max(1, bytes / base bytes))``: above 1, slower than the base
     (per byte where the shape moves more)."""
@@ -159,14 +165,10 @@ def main(argv=None) -> int:
     for base in (by_name[n] for n in args.bases.split(",")):
         for quant in (int(x) for x in args.quant.split(",")):
             for norm in (int(x) for x in args.norm.split(",")):
-                def problem(shape: Shape, base=base, quant=quant, norm=norm) -> dict:
-                    return make_problem(base.batch, base.new, shape.heads, quant, norm,
-                                        page_size=shape.page_size, prefix=PREFIX,
-                                        head_dim=shape.head_dim, kv_layout=shape.kv_layout)
-                base_p = problem(Shape(base.heads))
+                base_p = problem_of(base, Shape(base.heads), quant, norm)
                 base_replay = graph_of(base_p, args.calls_per_graph)
                 for shape in shapes_of(base):
-                    p = problem(shape)
+                    p = problem_of(base, shape, quant, norm)
                     base_us, shape_us = time_pair(base_replay, graph_of(p, args.calls_per_graph),
                                                   args)
                     r = dict(base=base.name, op="bf16" if quant == 0 else f"fp8 q{quant}",
