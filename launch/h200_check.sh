@@ -12,8 +12,8 @@
 # sanitizer (compute-sanitizer memcheck + racecheck on the in-process NVLink protocol),
 # bench-producer, bench-append, bench-append-shapes (the append beyond the anchor's shapes, each
 # beside the anchor row it is nearest to; APPEND_SHAPES_ARGS adds options), anchor-append
-# (FlashInfer's append kernels beside ours, from a
-# copy of that measuring tool in ANCHOR_DIR, default .anchors/flashinfer_append), bench-fmha,
+# (FlashInfer's append kernels beside ours, from a copy of that measuring tool in ANCHOR_DIR,
+# default .anchors/flashinfer_append), bench-fmha,
 # bench-comm (the comm benchmark with ranks sharing GPU 0;
 # BENCH_COMM_ARGS replaces its --rows), bench-smoke-shared (the comm benchmark's smoke test on GPU 0
 # shared by two ranks, with the check that a rank delayed on the host is kept out of the times),
