@@ -30,8 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from _graphs import graphed
-from bench_qk_rope_append import bytes_moved, fused_call, make_problem
+from bench_qk_rope_append import (
+    HEAD_DIM,
+    bytes_moved,
+    calls_graph,
+    fused_call,
+    make_problem,
+    sample_us,
+)
 
 
 @dataclass(frozen=True)
@@ -60,13 +66,13 @@ class Shape:
     """One call shape: a base's batch and new tokens with these heads, D, layout, pages."""
 
     heads: tuple[int, int]
-    head_dim: int = 128
+    head_dim: int = HEAD_DIM
     kv_layout: str = "NHD"
     page_size: int = BASE_PAGE
 
     def label(self, base: Base) -> str:
         changed = [f"heads {self.heads}" if self.heads != base.heads else "",
-                   f"D {self.head_dim}" if self.head_dim != 128 else "",
+                   f"D {self.head_dim}" if self.head_dim != HEAD_DIM else "",
                    self.kv_layout if self.kv_layout != "NHD" else "",
                    f"page {self.page_size}" if self.page_size != BASE_PAGE else ""]
         return ", ".join(c for c in changed if c) or "base"
@@ -104,27 +110,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=float, default=1.0, help="ratios above this are listed")
     p.add_argument("--json", metavar="PATH", help="also write rows and environment here")
     return p.parse_args(argv)
-
-
-def sample_us(replay: Callable[[], None], calls: int, replays: int) -> float:
-    """Microseconds per call of one sample: ``replays`` replays of a ``calls``-call graph."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
-
-
-def graph_of(p: dict, calls: int) -> Callable[[], None]:
-    """A replay of ``calls`` back-to-back calls of problem ``p``."""
-    call = fused_call(p)
-
-    def calls_in_a_row():
-        for _ in range(calls):
-            call()
-    return graphed(calls_in_a_row)
 
 
 def time_pair(a: Callable[[], None], b: Callable[[], None], args) -> tuple[float, float]:
@@ -166,16 +151,16 @@ def main(argv=None) -> int:
         for quant in (int(x) for x in args.quant.split(",")):
             for norm in (int(x) for x in args.norm.split(",")):
                 base_p = problem_of(base, Shape(base.heads), quant, norm)
-                base_replay = graph_of(base_p, args.calls_per_graph)
+                base_replay = calls_graph(fused_call(base_p), args.calls_per_graph)
+                base_moved = bytes_moved(base_p)
                 for shape in shapes_of(base):
                     p = problem_of(base, shape, quant, norm)
-                    base_us, shape_us = time_pair(base_replay, graph_of(p, args.calls_per_graph),
-                                                  args)
+                    replay = calls_graph(fused_call(p), args.calls_per_graph)
+                    base_us, shape_us = time_pair(base_replay, replay, args)
                     r = dict(base=base.name, op="bf16" if quant == 0 else f"fp8 q{quant}",
                              norm=norm, shape=shape.label(base), base_us=base_us,
-                             shape_us=shape_us, bytes_ratio=bytes_moved(p) / bytes_moved(base_p),
-                             ratio=per_byte_ratio(shape_us, bytes_moved(p), base_us,
-                                                  bytes_moved(base_p)))
+                             shape_us=shape_us, bytes_ratio=bytes_moved(p) / base_moved,
+                             ratio=per_byte_ratio(shape_us, bytes_moved(p), base_us, base_moved))
                     rows.append(r)
                     print(json.dumps(r), file=sys.stderr)
     if args.json:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 from _bandwidth import hbm_bandwidths
+from _graphs import graphed
 
 HEADS = ((8, 1), (64, 8))
 DECODE_B = (1, 32, 128, 256)
@@ -62,28 +63,31 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- timing
 
 
-def time_graph(fn: Callable[[], None], calls: int, replays: int) -> float:
-    """Microseconds per call of ``fn``: a graph of ``calls`` calls, replayed ``replays`` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def calls_graph(fn: Callable[[], None], calls: int) -> Callable[[], None]:
+    """A replay of one CUDA graph holding ``calls`` back-to-back calls of ``fn``."""
+    def calls_in_a_row():
         for _ in range(calls):
             fn()
-    graph.replay()
-    samples = []
+    return graphed(calls_in_a_row)
+
+
+def sample_us(replay: Callable[[], None], calls: int, replays: int = 1) -> float:
+    """Microseconds per call of one sample: ``replays`` replays of a ``calls``-call graph."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples)
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
+
+
+def time_graph(fn: Callable[[], None], calls: int, replays: int) -> float:
+    """Microseconds per call of ``fn``: a graph of ``calls`` calls, replayed ``replays`` times
+    after one warm replay, the median replay."""
+    replay = calls_graph(fn, calls)
+    replay()
+    return statistics.median(sample_us(replay, calls) for _ in range(replays))
 
 
 def time_eager(fn: Callable[[], None], iters: int) -> float:
