@@ -17,7 +17,9 @@ the two replayed alternately (A/B/B/A) for ``--rounds`` rounds, medians::
 
     python benchmarks/kernels/bench_append_shapes.py --json append_shapes.json
 
-Prints one Markdown table last, a row per shape, and the rows over ``--limit``.
+Prints one Markdown table last, a row per shape, the rows over ``--limit``, and of those
+the ones beyond their base's own spread: the same base problem, timed beside each of its
+shapes, gives one median each, and their largest over smallest is the run's noise there.
 """
 
 from __future__ import annotations
@@ -129,10 +131,31 @@ def markdown(rows: list[dict], limit: float) -> str:
                      f"{r['base_us']:.2f} | {r['shape_us']:.2f} | {r['bytes_ratio']:.2f} | "
                      f"{r['ratio']:.3f} |")
     over = [r for r in rows if r["ratio"] > limit]
+    spread = base_spread(rows)
+    beyond = [r for r in over if r["ratio"] > spread[group_of(r)]]
     lines += ["", f"{len(over)} of {len(rows)} shapes above {limit}: "
               + ("; ".join(f"{r['base']} {r['op']} norm {r['norm']} {r['shape']} "
-                           f"{r['ratio']:.3f}" for r in over) or "none")]
+                           f"{r['ratio']:.3f}" for r in over) or "none"),
+              f"Each base's own medians, one a shape, spread by {min(spread.values()):.3f}-"
+              f"{max(spread.values()):.3f}x (largest over smallest) within the run; above "
+              f"its base's spread: " + ("; ".join(
+                  f"{r['base']} {r['op']} norm {r['norm']} {r['shape']} {r['ratio']:.3f} "
+                  f"(spread {spread[group_of(r)]:.3f})" for r in beyond) or "none")]
     return "\n".join(lines)
+
+
+def group_of(row: dict) -> tuple:
+    """The rows timed beside the same base problem: base, op and norm policy."""
+    return row["base"], row["op"], row["norm"]
+
+
+def base_spread(rows: list[dict]) -> dict[tuple, float]:
+    """Per group, the largest over the smallest of its base's medians (one beside each
+    shape): how far the same problem's time moves within the run, the ratios' noise."""
+    times: dict[tuple, list[float]] = {}
+    for r in rows:
+        times.setdefault(group_of(r), []).append(r["base_us"])
+    return {g: max(t) / min(t) for g, t in times.items()}
 
 
 def main(argv=None) -> int:

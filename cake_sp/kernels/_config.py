@@ -237,6 +237,10 @@ APPEND_CHUNK_P: int = 64
 APPEND_BLOCK_R: int = 16
 # Request programs below which small pages' clear shares shrink (append_clear_pairs).
 APPEND_MIN_REQUEST_PROGRAMS: int = 128
+# Clear programs a request gets at most (append_clear_pairs): what pages of 64 rows at
+# Hkv = 8 get in shares of APPEND_BLOCK_R.  Uncapped, pages of 256 rows took 128 a request,
+# and 128 decode requests (64, 8) ran 1.7-2.3x their time at pages of 16 per byte moved.
+APPEND_MAX_CLEAR_PROGRAMS: int = 32
 
 
 # Launch shapes of the append kernels, chosen on an H200 from sweeps over the rows of
@@ -299,16 +303,19 @@ def append_clear_pairs(page_size: int, num_kv_heads: int, num_requests: int) -> 
     programs.
 
     Pages of 64 rows and more leave long tails on average: shares of ``APPEND_BLOCK_R``
-    pairs, one store per cache, so that enough stores are in flight.  Smaller pages
-    leave short tails, and a share that finds no row to clear still costs a program:
-    the largest share up to 128 pairs that still gives the batch
-    ``APPEND_MIN_REQUEST_PROGRAMS`` request programs (a few requests' tails are not
-    left to a few programs).
+    pairs, one store per cache, so that enough stores are in flight, but no more than
+    ``APPEND_MAX_CLEAR_PROGRAMS`` a request (larger shares beyond): every request program
+    scans ``q_indptr`` and finds its last page before it clears, so that work grows with
+    the programs, not with the tail.  Smaller pages leave short tails, and a share that
+    finds no row to clear still costs a program: the largest share up to 128 pairs that
+    still gives the batch ``APPEND_MIN_REQUEST_PROGRAMS`` request programs (a few
+    requests' tails are not left to a few programs).
     """
-    if page_size >= 64:
-        return APPEND_BLOCK_R
-    pairs = 128
     page_pairs = page_size * num_kv_heads
+    if page_size >= 64:
+        shares = -(-page_pairs // APPEND_MAX_CLEAR_PROGRAMS)
+        return max(1, -(-shares // APPEND_BLOCK_R)) * APPEND_BLOCK_R
+    pairs = 128
     while pairs > APPEND_BLOCK_R and (
             num_requests * ((page_pairs + pairs - 1) // pairs) < APPEND_MIN_REQUEST_PROGRAMS):
         pairs //= 2

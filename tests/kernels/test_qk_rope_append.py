@@ -89,6 +89,16 @@ def test_decode_heads_and_pages(device, heads, page_size, record_property):
              record=record_property)
 
 
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_long_pages_clear_in_capped_shares(device, kv_layout, record_property):
+    """Pages of 256 rows at Hkv = 4: 1,024 (row, head) pairs a page, cleared by
+    ``APPEND_MAX_CLEAR_PROGRAMS`` programs a request in shares of several blocks."""
+    case = Case(**DECODE, page_size=256, num_q_heads=8, num_kv_heads=4)
+    assert case.page_size * case.num_kv_heads > (_config.APPEND_MAX_CLEAR_PROGRAMS
+                                                 * _config.APPEND_BLOCK_R)
+    run_case(device, case, policy=2, kv_layout=kv_layout, record=record_property)
+
+
 @pytest.mark.parametrize("heads,policy,rope_style,kv_layout", [
     ((8, 1), 2, "neox", "NHD"),
     ((64, 8), 1, "neox", "NHD"),

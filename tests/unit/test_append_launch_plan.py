@@ -26,6 +26,8 @@ def test_small_batches_take_more_warps():
     (16, 8, 2, True, 8, 16),       # ... but never below APPEND_BLOCK_R
     (64, 8, 32, True, 32, 16),     # large pages: shares of APPEND_BLOCK_R pairs
     (128, 1, 32, True, 8, 16),
+    (256, 8, 128, True, 32, 64),   # ... up to APPEND_MAX_CLEAR_PROGRAMS a request
+    (256, 6, 4, True, 32, 48),     # shares stay multiples of APPEND_BLOCK_R
     (5, 1, 32, True, 1, 16),       # a share never below APPEND_BLOCK_R
     (64, 8, 32, False, 1, 16),     # no clear: one status program a request
 ])

@@ -42,3 +42,18 @@ def test_markdown_lists_the_rows_over_the_limit():
     text = bas.markdown([row, {**row, "shape": "HND", "ratio": 0.9}], 1.0)
     assert "1 of 2 shapes above 1.0: M1 bf16 norm 2 D 64 1.100" in text
     assert "| M1 | bf16 | 2 | HND | 2.00 | 2.20 | 0.50 | 0.900 |" in text
+
+
+def test_markdown_separates_the_rows_beyond_their_bases_noise():
+    row = dict(base="H3", op="bf16", norm=0, shape="HND", base_us=3.5, shape_us=3.6,
+               bytes_ratio=1.0, ratio=1.03)
+    rows = [row, {**row, "shape": "page 256", "base_us": 3.7, "ratio": 1.7},
+            {**row, "op": "fp8 q2", "shape": "D 64", "base_us": 3.0, "ratio": 1.01}]
+    assert bas.base_spread(rows) == {("H3", "bf16", 0): pytest.approx(3.7 / 3.5),
+                                     ("H3", "fp8 q2", 0): 1.0}
+    text = bas.markdown(rows, 1.0)
+    assert "3 of 3 shapes above 1.0" in text
+    assert "spread by 1.000-1.057x" in text
+    # HND is within its base's 5.7 % spread; page 256 is not, nor D 64 (a base timed once).
+    assert text.endswith("above its base's spread: H3 bf16 norm 0 page 256 1.700 (spread 1.057); "
+                         "H3 fp8 q2 norm 0 D 64 1.010 (spread 1.000)")
