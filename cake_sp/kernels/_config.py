@@ -239,7 +239,8 @@ APPEND_BLOCK_R: int = 16
 APPEND_MIN_REQUEST_PROGRAMS: int = 128
 # Clear programs a request gets at most (append_clear_pairs): what pages of 64 rows at
 # Hkv = 8 get in shares of APPEND_BLOCK_R.  Uncapped, pages of 256 rows took 128 a request,
-# and 128 decode requests (64, 8) ran 1.7-2.3x their time at pages of 16 per byte moved.
+# and 128 decode requests (64, 8) ran 1.6-2.3x their time at pages of 16 per byte moved; at
+# this cap 1.04-1.14x (an H100; caps of 8 and 16: up to 1.35x and 1.22x, docs/results.md).
 APPEND_MAX_CLEAR_PROGRAMS: int = 32
 
 
