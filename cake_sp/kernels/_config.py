@@ -314,8 +314,8 @@ def append_clear_pairs(page_size: int, num_kv_heads: int, num_requests: int) -> 
     """
     page_pairs = page_size * num_kv_heads
     if page_size >= 64:
-        shares = -(-page_pairs // APPEND_MAX_CLEAR_PROGRAMS)
-        return max(1, -(-shares // APPEND_BLOCK_R)) * APPEND_BLOCK_R
+        share = -(-page_pairs // APPEND_MAX_CLEAR_PROGRAMS)
+        return -(-share // APPEND_BLOCK_R) * APPEND_BLOCK_R
     pairs = 128
     while pairs > APPEND_BLOCK_R and (
             num_requests * ((page_pairs + pairs - 1) // pairs) < APPEND_MIN_REQUEST_PROGRAMS):
