@@ -17,10 +17,11 @@ import _graphs  # noqa: E402
 
 
 class _FakeGraph:
-    replays = 0
+    def __init__(self) -> None:
+        self.replays = 0
 
     def replay(self) -> None:
-        _FakeGraph.replays += 1
+        self.replays += 1
 
 
 class _FakeStream:
@@ -54,7 +55,7 @@ def test_the_replay_holds_the_captured_callable(monkeypatch):
     assert out_ref() is not None
     assert len(calls) == 2  # the warm-up call and the captured one
     replay()
-    assert _FakeGraph.replays == 1
+    assert replay.graph.replays == 1
     del replay
     gc.collect()
     assert out_ref() is None
