@@ -40,6 +40,11 @@ from cake_sp.kernels import _config
 CALLS, REPLAYS = 20, 30
 
 
+def programs_for(pairs: int):
+    """``_config.append_clear_programs`` with shares of ``pairs`` pairs of a page."""
+    return lambda page_size, num_kv_heads, num_requests: -(-page_size * num_kv_heads // pairs)
+
+
 def block_m_for(channels: int):
     """``_config.append_block_m`` with another channel budget."""
     def block_m(num_tokens: int, head_dim: int) -> int:
@@ -67,7 +72,7 @@ def fp8_call(h, p: dict, outs):
 def time_variant(h, p: dict, op: str, channels: int, warps: int, pairs: int) -> float | str:
     _config.append_block_m = block_m_for(channels)
     _config.append_num_warps = lambda num_tokens, num_slots: warps
-    _config.append_clear_pairs = lambda page_size, num_kv_heads, num_requests: pairs
+    _config.append_clear_programs = programs_for(pairs)
     outs = h.fresh_outputs(p)
     fn = h.project_arm(cake_sp, p, outs) if op == "bf16" else fp8_call(h, p, outs)
     try:
@@ -81,16 +86,16 @@ def graph_of(h, fn, tiles_first: bool | None = None, pairs: int | None = None):
     """A CUDA graph (the BF16 tool ``h``'s capture) of ``CALLS`` calls of ``fn`` launched with
     the table's shapes but for the given order and clear share, where given (pairs under
     ``APPEND_BLOCK_R`` shrink that block too)."""
-    saved = (_config.append_tiles_first, _config.append_clear_pairs, _config.APPEND_BLOCK_R)
+    saved = (_config.append_tiles_first, _config.append_clear_programs, _config.APPEND_BLOCK_R)
     if tiles_first is not None:
         _config.append_tiles_first = lambda tile_programs, request_programs: tiles_first
     if pairs is not None:
-        _config.append_clear_pairs = lambda page_size, num_kv_heads, num_requests: pairs
+        _config.append_clear_programs = programs_for(pairs)
         _config.APPEND_BLOCK_R = min(pairs, _config.APPEND_BLOCK_R)
     try:
         return h.capture(fn, CALLS)
     finally:
-        _config.append_tiles_first, _config.append_clear_pairs, _config.APPEND_BLOCK_R = saved
+        _config.append_tiles_first, _config.append_clear_programs, _config.APPEND_BLOCK_R = saved
 
 
 def interleaved_us(h, graphs: dict, rounds: int, reps: int = 5) -> dict[str, float]:

@@ -235,9 +235,9 @@ APPEND_CHUNK_B: int = 128
 APPEND_CHUNK_P: int = 64
 # (row, kv head) pairs a request program zeroes per step when clearing a last page.
 APPEND_BLOCK_R: int = 16
-# Request programs below which small pages' clear shares shrink (append_clear_pairs).
+# Request programs below which small pages' clear shares shrink (append_clear_programs).
 APPEND_MIN_REQUEST_PROGRAMS: int = 128
-# Clear programs a request gets at most (append_clear_pairs): what pages of 64 rows at
+# Clear programs a request gets at most (append_clear_programs): what pages of 64 rows at
 # Hkv = 8 get in shares of APPEND_BLOCK_R.  Uncapped, pages of 256 rows took 128 a request,
 # and 128 decode requests (64, 8) ran 1.6-2.3x their time at pages of 16 per byte moved; at
 # this cap 1.04-1.14x (an H100; caps of 8 and 16: up to 1.35x and 1.22x, docs/results.md).
@@ -298,29 +298,27 @@ def append_slots_per_token(num_slots: int, head_dim: int) -> int:
     return _power_of_two_block(num_slots, max(1, APPEND_TOKEN_CHANNELS // head_dim))
 
 
-def append_clear_pairs(page_size: int, num_kv_heads: int, num_requests: int) -> int:
-    """``(row, kv head)`` pairs of a last page one request program clears (a multiple of
-    ``APPEND_BLOCK_R``): a page's tail is split over ``ceil(page_size * Hkv / this)``
-    programs.
+def append_clear_programs(page_size: int, num_kv_heads: int, num_requests: int) -> int:
+    """Request programs a request gets: each validates, and clears its share of the unused
+    rows of the request's last page, the chunks of ``APPEND_BLOCK_R`` ``(row, kv head)``
+    pairs of that tail dealt out in turn (``paged_append.clear_rows``).
 
-    Pages of 64 rows and more leave long tails on average: shares of ``APPEND_BLOCK_R``
-    pairs, one store per cache, so that enough stores are in flight, but no more than
-    ``APPEND_MAX_CLEAR_PROGRAMS`` a request (larger shares beyond): every request program
-    scans ``q_indptr`` and finds its last page before it clears, so that work grows with
-    the programs, not with the tail.  Smaller pages leave short tails, and a share that
-    finds no row to clear still costs a program: the largest share up to 128 pairs that
-    still gives the batch ``APPEND_MIN_REQUEST_PROGRAMS`` request programs (a few
-    requests' tails are not left to a few programs).
+    Pages of 64 rows and more leave long tails on average: a program a chunk of a full
+    page, so that enough stores are in flight, but no more than
+    ``APPEND_MAX_CLEAR_PROGRAMS``.  Smaller pages leave short tails: a program for up to
+    128 pairs of a page, more (shares of down to ``APPEND_BLOCK_R`` pairs) where the batch
+    would otherwise have fewer than ``APPEND_MIN_REQUEST_PROGRAMS`` request programs (a few
+    requests' tails are not left to a few programs).  A program whose share of a shorter
+    tail is empty stops once it has read the tables.
     """
     page_pairs = page_size * num_kv_heads
     if page_size >= 64:
-        share = -(-page_pairs // APPEND_MAX_CLEAR_PROGRAMS)
-        return -(-share // APPEND_BLOCK_R) * APPEND_BLOCK_R
+        return min(-(-page_pairs // APPEND_BLOCK_R), APPEND_MAX_CLEAR_PROGRAMS)
     pairs = 128
     while pairs > APPEND_BLOCK_R and (
-            num_requests * ((page_pairs + pairs - 1) // pairs) < APPEND_MIN_REQUEST_PROGRAMS):
+            num_requests * -(-page_pairs // pairs) < APPEND_MIN_REQUEST_PROGRAMS):
         pairs //= 2
-    return pairs
+    return -(-page_pairs // pairs)
 
 
 def append_tiles_first(tile_programs: int, request_programs: int) -> bool:

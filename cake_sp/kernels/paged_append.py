@@ -6,8 +6,8 @@ grid of two kinds of programs (``launch_plan`` sizes it from ``_config``'s table
 
 * *request* programs, ``CLEAR_PROGRAMS`` per request ``b``: each validates the
   metadata and zeroes its share of the unused rows of ``b``'s last page (the
-  page's ``(row, kv head)`` pairs split in ``CLEAR_PAIRS``); share 0 also writes
-  the request's status;
+  tail's chunks of ``(row, kv head)`` pairs dealt out in turn; a program whose
+  share is empty stops early); share 0 also writes the request's status;
 * *tile* programs, one per ``(BLOCK_M tokens, BLOCK_S head slots)``: slot ``s`` is
   column block ``s`` of the packed ``qkv`` row, so slots ``[0, Hq)`` are Q heads,
   ``[Hq, Hq + Hkv)`` K heads and ``[Hq + Hkv, Hq + 2 Hkv)`` V heads.  A launch takes
@@ -369,23 +369,22 @@ def store_kv_rows(cache_ptr, out_ptr, lo, hi, tok, head, page, row, tok_ok, page
 
 
 @triton.jit
-def request_status(q_indptr_ptr, seq_lens_ptr, page_indices_ptr, stride_pi, b, valid,
-                   check_pages, max_pos, max_pages, num_pages, PAGE_SIZE: tl.constexpr,
-                   CHUNK_P: tl.constexpr, NUM_P_CHUNKS: tl.constexpr):
-    """Status of request ``b`` and where its last page's unused rows start.
+def request_status(n, seq_len, page_indices_ptr, stride_pi, b, valid, check_pages, max_pos,
+                   max_pages, num_pages, PAGE_SIZE: tl.constexpr, CHUNK_P: tl.constexpr,
+                   NUM_P_CHUNKS: tl.constexpr):
+    """Status of request ``b`` (``n`` tokens appended, length ``seq_len`` after) and the
+    last page whose unused rows it may clear.
 
-    Returns ``(status, last_page, tail_start)``: ``status`` is a sum of
-    ``ERR_*`` bits (``ERR_PAGE`` only looked for when ``check_pages``: it walks
-    the request's page-table row); ``last_page`` is the page holding the
-    request's last row when that page may be cleared, else -1; rows
-    ``[tail_start, PAGE_SIZE)`` of it follow the request's last row.  As in
+    Returns ``(status, last_page)``: ``status`` is a sum of ``ERR_*`` bits
+    (``ERR_PAGE`` only looked for when ``check_pages``: it walks the request's
+    page-table row); ``last_page`` is the page holding the request's last row when
+    that page may be cleared, else -1 (``last_page_tail`` says which of its rows
+    follow the last row).  As in
     FlashInfer's kernel, every request of length ``seq_len >= 1`` clears, also one
     that appends no token in this call; here only when the table is valid, the
     last row lies inside the page table, the request's appended positions (if any)
     are in range, and the page index is in ``[0, num_pages)``.
     """
-    n = tl.load(q_indptr_ptr + b + 1) - tl.load(q_indptr_ptr + b)
-    seq_len = tl.load(seq_lens_ptr + b)
     pos_ok = positions_in_range(n, seq_len, max_pos, max_pages, PAGE_SIZE)
     status = tl.where(valid, 0, _ERR_METADATA)
     status += tl.where(valid & (n > 0) & (~pos_ok), _ERR_POSITION, 0)
@@ -409,25 +408,46 @@ def request_status(q_indptr_ptr, seq_lens_ptr, page_indices_ptr, stride_pi, b, v
     tail_slot = tl.where(clears, (seq_len - 1) // PAGE_SIZE, 0)
     last_page = tl.load(row_base + tail_slot, mask=clears, other=-1)
     last_page = tl.where((last_page >= 0) & (last_page < num_pages), last_page, -1)
-    return status, last_page.to(tl.int64), seq_len - tail_slot * PAGE_SIZE
+    return status, last_page.to(tl.int64)
 
 
 @triton.jit
-def clear_rows(cache_ptr, page, first_pair, row_start, stride_cp, stride_cr, stride_ch,
-               HKV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               BLOCK_R: tl.constexpr, CLEAR_PAIRS: tl.constexpr):
-    """Zero the ``(row, kv head)`` pairs ``[first_pair, first_pair + CLEAR_PAIRS)`` of
-    page ``page`` (pair ``i`` is row ``i // Hkv``, head ``i % Hkv``: the NHD order)
-    whose row is in ``[row_start, PAGE_SIZE)``; none if ``page`` is -1.
+def last_page_tail(seq_len, HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
+    """Where the unused rows of a request's last page lie, from its length alone.
 
-    Zero is the all-zero bit pattern in both bf16 and FP8 e4m3, so one helper
-    serves both cache dtypes.
+    Returns ``(tail_start, first_chunk, num_chunks)``: rows ``[tail_start, PAGE_SIZE)``
+    follow the request's last row; they lie in the ``num_chunks`` chunks of ``BLOCK_R``
+    ``(row, kv head)`` pairs (NHD order) from chunk ``first_chunk`` on.  No chunk for a
+    request of length below 1 (``request_status`` gives it no page to clear).
+    """
+    tail_start = seq_len - (tl.maximum(seq_len, 1) - 1) // PAGE_SIZE * PAGE_SIZE
+    first_chunk = tail_start * HKV // BLOCK_R
+    page_chunks: tl.constexpr = (PAGE_SIZE * HKV + BLOCK_R - 1) // BLOCK_R
+    return tail_start, first_chunk, tl.where(seq_len > 0, page_chunks - first_chunk, 0)
+
+
+@triton.jit
+def clear_rows(cache_ptr, page, row_start, first_chunk, share, stride_cp, stride_cr,
+               stride_ch, HKV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               BLOCK_R: tl.constexpr, SHARES: tl.constexpr):
+    """Zero share ``share`` of ``SHARES`` of a last page's tail: chunk ``first_chunk +
+    share + i * SHARES`` for every ``i``, each ``BLOCK_R`` ``(row, kv head)`` pairs (pair
+    ``p`` is row ``p // Hkv``, head ``p % Hkv``: the NHD order) of page ``page``, only
+    their rows in ``[row_start, PAGE_SIZE)``; none if ``page`` is -1.
+
+    The chunks are dealt out from the tail's first, so that a short tail of a long page
+    still spreads over the shares.  The loop runs as many steps as a whole page would
+    take (a static count: the interpreter cannot run a loop bound by a loaded value);
+    the masks drop the chunks past the page.  Zero is the all-zero bit pattern in both
+    bf16 and FP8 e4m3, so one helper serves both cache dtypes.
     """
     cols = tl.arange(0, D)[None, :]
     zeros = tl.zeros([BLOCK_R, D], dtype=cache_ptr.dtype.element_ty)
     base = cache_ptr + page * stride_cp
-    for c in range(CLEAR_PAIRS // BLOCK_R):
-        pair = first_pair + c * BLOCK_R + tl.arange(0, BLOCK_R)
+    page_chunks: tl.constexpr = (PAGE_SIZE * HKV + BLOCK_R - 1) // BLOCK_R
+    for i in range((page_chunks + SHARES - 1) // SHARES):
+        pair = (first_chunk + share + i * SHARES) * BLOCK_R + tl.arange(0, BLOCK_R)
         row = pair // HKV
         m = (page >= 0) & (row >= row_start) & (row < PAGE_SIZE)
         offs = row.to(tl.int64) * stride_cr + (pair % HKV) * stride_ch
@@ -444,30 +464,38 @@ def request_program(pid, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_p
                     HKV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr, CHUNK_P: tl.constexpr,
                     NUM_P_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
-                    CLEAR_PAIRS: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr,
-                    CLEAR: tl.constexpr, HAS_ERROR_FLAGS: tl.constexpr):
+                    CLEAR_PROGRAMS: tl.constexpr, CLEAR: tl.constexpr,
+                    HAS_ERROR_FLAGS: tl.constexpr):
     """Request program ``pid`` = ``b * CLEAR_PROGRAMS + c``: status of request ``b``
-    (written by ``c == 0``), then zero the unused last-page rows of its share
-    ``c`` of the page's ``(row, kv head)`` pairs in both caches.
+    (written by ``c == 0``), then zero share ``c`` of the unused rows of its last page
+    in both caches.  A program ``c > 0`` whose share is empty stops once it has read the
+    tables, before the page-table lookup and the stores.
 
     Returns ``(b, c, valid)`` so that a kernel can add its own per-request outputs.
     """
     b = pid // CLEAR_PROGRAMS
     c = pid % CLEAR_PROGRAMS
+    # Every load the status needs first, together: a program that stops early has waited
+    # for one round trip, and one that works for no more than before.
     valid = q_indptr_valid(q_indptr_ptr, num_req, num_tokens, max_req_len, CHUNK_B,
                            NUM_B_CHUNKS)
-    status, last_page, tail_start = request_status(
-        q_indptr_ptr, seq_lens_ptr, page_indices_ptr, stride_pi, b, valid,
-        c == 0, max_pos, max_pages, num_pages, PAGE_SIZE, CHUNK_P,
-        NUM_P_CHUNKS)
-    if HAS_ERROR_FLAGS:
-        tl.store(error_flags_ptr + b, status, mask=c == 0)
+    n = tl.load(q_indptr_ptr + b + 1) - tl.load(q_indptr_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    tail_start, first_chunk, num_chunks = last_page_tail(seq_len, HKV, PAGE_SIZE, BLOCK_R)
+    works = c == 0
     if CLEAR:
-        first_pair = c * CLEAR_PAIRS
-        clear_rows(k_cache_ptr, last_page, first_pair, tail_start, stride_cp, stride_cr,
-                   stride_ch, HKV, D, PAGE_SIZE, BLOCK_R, CLEAR_PAIRS)
-        clear_rows(v_cache_ptr, last_page, first_pair, tail_start, stride_cp, stride_cr,
-                   stride_ch, HKV, D, PAGE_SIZE, BLOCK_R, CLEAR_PAIRS)
+        works |= c < num_chunks
+    if works:
+        status, last_page = request_status(
+            n, seq_len, page_indices_ptr, stride_pi, b, valid, c == 0, max_pos, max_pages,
+            num_pages, PAGE_SIZE, CHUNK_P, NUM_P_CHUNKS)
+        if HAS_ERROR_FLAGS:
+            tl.store(error_flags_ptr + b, status, mask=c == 0)
+        if CLEAR:
+            clear_rows(k_cache_ptr, last_page, tail_start, first_chunk, c, stride_cp,
+                       stride_cr, stride_ch, HKV, D, PAGE_SIZE, BLOCK_R, CLEAR_PROGRAMS)
+            clear_rows(v_cache_ptr, last_page, tail_start, first_chunk, c, stride_cp,
+                       stride_cr, stride_ch, HKV, D, PAGE_SIZE, BLOCK_R, CLEAR_PROGRAMS)
     return b, c, valid
 
 
@@ -486,11 +514,8 @@ def launch_plan(num_tokens: int, num_req: int, num_slots: int, num_kv_heads: int
         block_m, block_s = 1, _config.append_slots_per_token(num_slots, head_dim)
     else:
         block_m, block_s = _config.append_block_m(num_tokens, head_dim), 1
-    pairs = page_size * num_kv_heads  # (row, kv head) pairs of one page
-    block_r = _config.APPEND_BLOCK_R
-    clear_pairs = min(_config.append_clear_pairs(page_size, num_kv_heads, num_req),
-                      triton.cdiv(pairs, block_r) * block_r)
-    clear_programs = triton.cdiv(pairs, clear_pairs) if clear else 1
+    clear_programs = (_config.append_clear_programs(page_size, num_kv_heads, num_req)
+                      if clear else 1)
     chunk_b = min(_config.APPEND_CHUNK_B, triton.next_power_of_2(num_req))
     chunk_p = min(_config.APPEND_CHUNK_P, triton.next_power_of_2(max_pages))
     tile_programs = triton.cdiv(num_tokens, block_m) * triton.cdiv(num_slots, block_s)
@@ -500,8 +525,8 @@ def launch_plan(num_tokens: int, num_req: int, num_slots: int, num_kv_heads: int
         num_warps=_config.append_num_warps(num_tokens, num_slots),
         TOKEN_PROGRAMS=token_programs, BLOCK_M=block_m, BLOCK_S=block_s,
         CHUNK_B=chunk_b, NUM_B_CHUNKS=triton.cdiv(num_req, chunk_b), CHUNK_P=chunk_p,
-        NUM_P_CHUNKS=triton.cdiv(max_pages, chunk_p), BLOCK_R=block_r,
-        CLEAR_PAIRS=clear_pairs, CLEAR_PROGRAMS=clear_programs,
+        NUM_P_CHUNKS=triton.cdiv(max_pages, chunk_p), BLOCK_R=_config.APPEND_BLOCK_R,
+        CLEAR_PROGRAMS=clear_programs,
         TILES_FIRST=_config.append_tiles_first(tile_programs, request_programs))
 
 

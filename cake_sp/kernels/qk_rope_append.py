@@ -52,7 +52,7 @@ def _qk_rope_append_kernel(
     TOKEN_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
     CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr,
     CHUNK_P: tl.constexpr, NUM_P_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
-    CLEAR_PAIRS: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr, TILES_FIRST: tl.constexpr,
+    CLEAR_PROGRAMS: tl.constexpr, TILES_FIRST: tl.constexpr,
     POLICY: tl.constexpr, STYLE: tl.constexpr, K_TO_CACHE: tl.constexpr,
     V_TO_CACHE: tl.constexpr, CLEAR: tl.constexpr, HAS_ERROR_FLAGS: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -66,7 +66,7 @@ def _qk_rope_append_kernel(
                         v_cache_ptr, error_flags_ptr, num_tokens, num_req, _NO_LIMIT, max_pos,
                         max_pages, num_pages, stride_pi, stride_cp, stride_cr, stride_ch, HKV,
                         D, PAGE_SIZE, CHUNK_B, NUM_B_CHUNKS, CHUNK_P, NUM_P_CHUNKS, BLOCK_R,
-                        CLEAR_PAIRS, CLEAR_PROGRAMS, CLEAR, HAS_ERROR_FLAGS)
+                        CLEAR_PROGRAMS, CLEAR, HAS_ERROR_FLAGS)
     elif TOKEN_PROGRAMS:
         tl.static_assert(POLICY == 0, "token programs run without QK norm")
         slot, slot_ok, tok, tok_ok, pos, page, row, page_ok, x_lo, x_hi = token_program(

@@ -81,7 +81,7 @@ def _qk_rope_fp8_append_kernel(
     TOKEN_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
     CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr,
     CHUNK_P: tl.constexpr, NUM_P_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
-    CLEAR_PAIRS: tl.constexpr, CLEAR_PROGRAMS: tl.constexpr, TILES_FIRST: tl.constexpr,
+    CLEAR_PROGRAMS: tl.constexpr, TILES_FIRST: tl.constexpr,
     POLICY: tl.constexpr, STYLE: tl.constexpr, QUANT: tl.constexpr,
     SCALE_BY_REQUEST: tl.constexpr, K_TO_CACHE: tl.constexpr, V_TO_CACHE: tl.constexpr,
     CLEAR: tl.constexpr, HAS_ERROR_FLAGS: tl.constexpr, INTERPRET: tl.constexpr,
@@ -102,7 +102,7 @@ def _qk_rope_fp8_append_kernel(
             index, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_ptr, v_cache_ptr,
             error_flags_ptr, num_tokens, num_req, max_req_len, max_pos, max_pages, num_pages,
             stride_pi, stride_cp, stride_cr, stride_ch, HKV, D, PAGE_SIZE, CHUNK_B,
-            NUM_B_CHUNKS, CHUNK_P, NUM_P_CHUNKS, BLOCK_R, CLEAR_PAIRS, CLEAR_PROGRAMS, CLEAR,
+            NUM_B_CHUNKS, CHUNK_P, NUM_P_CHUNKS, BLOCK_R, CLEAR_PROGRAMS, CLEAR,
             HAS_ERROR_FLAGS)
         for h in tl.static_range(HKV):  # one split_k_flag entry per (b, kv head)
             tl.store(split_k_flag_ptr + b * HKV + h, tl.where(valid, 0, -1), mask=c == 0)

@@ -166,8 +166,48 @@ def build_fmha_decode(config: dict) -> dict:
     return kernel.report()
 
 
+def build_append(config: dict) -> dict:
+    """The BF16 append kernel (``fp8``: the FP8 one, dynamic Q scale) on one batch of
+    ``batch`` requests of ``new`` tokens each after 1,000 cached ones."""
+    from cake_sp.kernels import _config, qk_rope_append, qk_rope_fp8_append
+
+    _config.require_triton_device = lambda what, device: None  # CPU tensors; nothing runs
+    c = {**dict(batch=128, new=1, q_heads=64, kv_heads=8, head_dim=128, page_size=16,
+                norm=2, layout="NHD", clear=True, fp8=False), **config}
+    b, n, d, ps, hkv = c["batch"], c["new"], c["head_dim"], c["page_size"], c["kv_heads"]
+    i32 = torch.int32
+    pages_per_req = -(-(1000 + n) // ps)
+    cache = ((b * pages_per_req, ps, hkv, d) if c["layout"] == "NHD"
+             else (b * pages_per_req, hkv, ps, d))
+    inputs = dict(
+        qkv=torch.empty(b * n, (c["q_heads"] + 2 * hkv) * d, dtype=torch.bfloat16),
+        cos_sin=torch.empty(1000 + n, d), seq_lens=torch.full((b,), 1000 + n, dtype=i32),
+        q_indptr=torch.arange(b + 1, dtype=i32) * n,
+        page_indices=torch.arange(b * pages_per_req, dtype=i32).view(b, pages_per_req),
+        q_norm_weight=torch.empty(d), k_norm_weight=torch.empty(d),
+        qk_norm_policy=c["norm"], kv_layout=c["layout"],
+        clear_unused_last_page_rows=c["clear"])
+    if c["fp8"]:
+        module, name = qk_rope_fp8_append, "_qk_rope_fp8_append_kernel"
+        caches = [torch.empty(cache, dtype=torch.float8_e4m3fn) for _ in range(2)]
+        one = torch.ones(1)
+        call = lambda: module.fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache(  # noqa: E731
+            paged_kv_cache=tuple(caches), is_prefill=n > 1, k_scale=one, v_scale=one,
+            quant_policy=1, max_seqlen=n, **inputs)
+    else:
+        module, name = qk_rope_append, "_qk_rope_append_kernel"
+        caches = [torch.empty(cache, dtype=torch.bfloat16) for _ in range(2)]
+        call = lambda: module.fused_qk_rmsnorm_rope_append_paged_kv_cache(  # noqa: E731
+            key_cache=caches[0], value_cache=caches[1], num_q_heads=c["q_heads"],
+            num_kv_heads=hkv, **inputs)
+    kernel = _Warmup(getattr(module, name))
+    setattr(module, name, kernel)
+    call()
+    return kernel.report()
+
+
 BUILDERS = {"producer": build_producer, "fmha_context": build_fmha_context,
-            "fmha_decode": build_fmha_decode}
+            "fmha_decode": build_fmha_decode, "append": build_append}
 
 if __name__ == "__main__":
     driver.set_active(_StubDriver())

@@ -19,25 +19,25 @@ def test_small_batches_take_more_warps():
     assert _config.append_num_warps(128, 80) == 2  # decode B = 128, (64, 8)
 
 
-@pytest.mark.parametrize("page_size,num_kv_heads,num_req,clear,programs,pairs", [
-    (16, 1, 32, True, 1, 16),      # the whole page in one share (16 pairs)
-    (16, 8, 128, True, 1, 128),    # small pages, many requests: one program takes 128 pairs
-    (16, 8, 32, True, 4, 32),      # fewer requests: shares shrink to give 128 programs
-    (16, 8, 2, True, 8, 16),       # ... but never below APPEND_BLOCK_R
-    (64, 8, 32, True, 32, 16),     # large pages: shares of APPEND_BLOCK_R pairs
-    (128, 1, 32, True, 8, 16),
-    (256, 8, 128, True, 32, 64),   # ... up to APPEND_MAX_CLEAR_PROGRAMS a request
-    (256, 6, 4, True, 32, 48),     # shares stay multiples of APPEND_BLOCK_R
-    (5, 1, 32, True, 1, 16),       # a share never below APPEND_BLOCK_R
-    (64, 8, 32, False, 1, 16),     # no clear: one status program a request
+@pytest.mark.parametrize("page_size,num_kv_heads,num_req,clear,programs", [
+    (16, 1, 32, True, 1),      # the whole page (16 pairs) in one share
+    (16, 8, 128, True, 1),     # small pages, many requests: one program for 128 pairs
+    (16, 8, 32, True, 4),      # fewer requests: shares shrink to give 128 programs
+    (16, 8, 2, True, 8),       # ... but never below APPEND_BLOCK_R pairs
+    (16, 6, 32, True, 6),      # 96 pairs: shares of 16 give 32 requests 192 programs
+    (64, 8, 32, True, 32),     # large pages: a program a chunk of APPEND_BLOCK_R pairs
+    (128, 1, 32, True, 8),
+    (256, 8, 128, True, 32),   # ... up to APPEND_MAX_CLEAR_PROGRAMS a request
+    (256, 6, 4, True, 32),
+    (5, 1, 32, True, 1),       # a share never below APPEND_BLOCK_R pairs
+    (64, 8, 32, False, 1),     # no clear: one status program a request
 ])
 @pytest.mark.parametrize("token_programs", [False, True])
-def test_clear_shares(page_size, num_kv_heads, num_req, clear, programs, pairs, token_programs):
+def test_clear_programs(page_size, num_kv_heads, num_req, clear, programs, token_programs):
     plan = launch_plan(num_tokens=32, num_req=num_req, num_slots=10, num_kv_heads=num_kv_heads,
                        head_dim=128, page_size=page_size, max_pages=70, clear=clear,
                        token_programs=token_programs)
-    assert (plan["CLEAR_PROGRAMS"], plan["CLEAR_PAIRS"]) == (programs, pairs)
-    assert plan["CLEAR_PAIRS"] % plan["BLOCK_R"] == 0
+    assert plan["CLEAR_PROGRAMS"] == programs
     tiles = -(-32 // plan["BLOCK_M"]) * -(-10 // plan["BLOCK_S"])
     assert plan["grid"] == num_req * programs + tiles
 
