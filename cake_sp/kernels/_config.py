@@ -238,9 +238,10 @@ APPEND_BLOCK_R: int = 16
 # Request programs below which small pages' clear shares shrink (append_clear_programs).
 APPEND_MIN_REQUEST_PROGRAMS: int = 128
 # Clear programs a request gets at most (append_clear_programs): what pages of 64 rows at
-# Hkv = 8 get in shares of APPEND_BLOCK_R.  Uncapped, pages of 256 rows took 128 a request,
-# and 128 decode requests (64, 8) ran 1.6-2.3x their time at pages of 16 per byte moved; at
-# this cap 1.04-1.14x (an H100; caps of 8 and 16: up to 1.35x and 1.22x, docs/results.md).
+# Hkv = 8 get in chunks of APPEND_BLOCK_R.  Uncapped, pages of 256 rows took 128 a request,
+# and 128 decode requests (64, 8) ran 1.6-2.3x their time at pages of 16 per byte moved.
+# With the tail's chunks dealt out: 0.92-0.96x at this cap, 1.24x at 16 and 1.48x at 8
+# (BF16; an H100, docs/results.md): fewer programs each run more masked steps.
 APPEND_MAX_CLEAR_PROGRAMS: int = 32
 
 

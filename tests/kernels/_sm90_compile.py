@@ -1,4 +1,4 @@
-"""Build the Gluon kernels (sm_90a only) on a machine without a GPU.
+"""Build the Gluon kernels (sm_90a only) and the append kernels on a machine without a GPU.
 
 Run as a script, in a subprocess of its own: it replaces Triton's active driver with a stub
 that names an sm_90 target, then calls a kernel's real host launcher on CPU tensors with the
@@ -8,12 +8,13 @@ and runs nothing::
     TRITON_INTERPRET=0 python tests/kernels/_sm90_compile.py producer '{"world": 4, ...}'
     TRITON_INTERPRET=0 python tests/kernels/_sm90_compile.py fmha_context '{"head_dim": 64}'
     TRITON_INTERPRET=0 python tests/kernels/_sm90_compile.py fmha_decode '{"page_size": 16}'
+    TRITON_INTERPRET=0 python tests/kernels/_sm90_compile.py append '{"fp8": true}'
 
 It prints one JSON line: the kernel's shared memory in bytes, and ptxas's register count and
 spill bytes for the PTX.  The configuration's keys are those of the builder's defaults
 (``producer``: the warp-specialised producer; ``fmha_context``: the warp-specialised paged
 context kernel, ``fmha_decode``: the warp-specialised decode kernel, an ``FmhaCase``'s
-fields).
+fields; ``append``: either append kernel on one batch, ``build_append``'s keys).
 """
 
 from __future__ import annotations

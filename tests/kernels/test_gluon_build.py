@@ -1,10 +1,11 @@
-"""The Gluon kernels build for sm_90a, with no spills, on any machine.
+"""The Gluon kernels, and the append kernels, build for sm_90a, with no spills, on any machine.
 
-They never run in Triton's interpreter, so without this a change to one meets a compiler
-only on a GPU.  ``_sm90_compile.py`` compiles each through its real host launcher in a
-subprocess (a stub driver naming an sm_90 target; nothing runs) and reports ptxas's
-registers and spills: a spill means a register budget (``_config.WsTile`` for the
-producer) no longer fits the code.
+The Gluon kernels never run in Triton's interpreter, and the interpreter runs the append
+kernels without compiling them (a branch on a loaded scalar, say, must also type-check in
+both arms), so without this a change to one meets a compiler only on a GPU.
+``_sm90_compile.py`` compiles each through its real host launcher in a subprocess (a stub
+driver naming an sm_90 target; nothing runs) and reports ptxas's registers and spills: a
+spill means a register budget (``_config.WsTile`` for the producer) no longer fits the code.
 """
 
 from __future__ import annotations
@@ -72,6 +73,18 @@ BUILDS = {
     # The most query rows it serves at D 128 (decode_ws.MAX_ACC_VALUES).
     "fmha-decode-32-rows": ("fmha_decode", {"q_lens": [8, 8], "kv_lens": [8192, 8192]},
                             {"BLOCK_M": 32, "D": 128}),
+    # The BF16 append: decode with QK norm on pages of 256 (many clear programs a request,
+    # most stopping early), decode without norm (token programs), no clear.
+    "append-bf16-page256": ("append", {"page_size": 256}, {"PAGE_SIZE": 256,
+                                                           "CLEAR_PROGRAMS": 32}),
+    "append-bf16-token-programs": ("append", {"norm": 0}, {"TOKEN_PROGRAMS": True}),
+    "append-bf16-no-clear": ("append", {"clear": False}, {"CLEAR": False,
+                                                         "CLEAR_PROGRAMS": 1}),
+    # The FP8 append: a prefill with a dynamic Q scale a request, HND; decode on pages of 64.
+    "append-fp8-prefill-hnd": ("append", {"fp8": True, "new": 128, "batch": 1,
+                                          "layout": "HND"}, {"SCALE_BY_REQUEST": True}),
+    "append-fp8-decode-page64": ("append", {"fp8": True, "page_size": 64},
+                                 {"SCALE_BY_REQUEST": False, "CLEAR_PROGRAMS": 32}),
 }
 
 
