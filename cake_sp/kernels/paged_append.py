@@ -394,13 +394,15 @@ def request_status(n, seq_len, page_indices_ptr, stride_pi, b, valid, check_page
     last_slot = tl.where(writes, (seq_len - 1) // PAGE_SIZE, -1)
     row_base = page_indices_ptr + b.to(tl.int64) * stride_pi
     if check_pages:
-        num_bad = tl.sum(tl.zeros([CHUNK_P], dtype=tl.int32), axis=0)
+        bad_slots = tl.zeros([CHUNK_P], dtype=tl.int32)
         for c in range(NUM_P_CHUNKS):
             s = c * CHUNK_P + tl.arange(0, CHUNK_P)
             m = (s >= first_slot) & (s <= last_slot)
             p = tl.load(row_base + s, mask=m, other=0)
-            num_bad += tl.sum((m & ((p < 0) | (p >= num_pages))).to(tl.int32), axis=0)
-        status += tl.where(num_bad > 0, _ERR_PAGE, 0)
+            bad_slots += (m & ((p < 0) | (p >= num_pages))).to(tl.int32)
+        # One reduction after the loop, not one a chunk: each is a shared-memory round trip
+        # and a barrier (16 of them for a table of 1,001 pages of one row).
+        status += tl.where(tl.sum(bad_slots, axis=0) > 0, _ERR_PAGE, 0)
     # The page holding the last row: for a request that appends nothing only the page table
     # bound matters (its positions index no cos/sin row).
     in_table = (seq_len > 0) & (tl.maximum(seq_len - 1, 0) // PAGE_SIZE < max_pages)
