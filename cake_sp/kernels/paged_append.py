@@ -449,10 +449,13 @@ def clear_rows(cache_ptr, page, row_start, first_chunk, share, stride_cp, stride
     base = cache_ptr + page * stride_cp
     page_chunks: tl.constexpr = (PAGE_SIZE * HKV + BLOCK_R - 1) // BLOCK_R
     for i in range((page_chunks + SHARES - 1) // SHARES):
-        pair = (first_chunk + share + i * SHARES) * BLOCK_R + tl.arange(0, BLOCK_R)
-        row = pair // HKV
+        # A scalar start and a static vector: dividing the loaded start's pair vector by
+        # Hkv took the FP8 kernel from 72 to 118 registers (sm_90a), 17-23 % slower.
+        first_pair = (first_chunk + share + i * SHARES) * BLOCK_R
+        k = first_pair % HKV + tl.arange(0, BLOCK_R)
+        row = first_pair // HKV + k // HKV
         m = (page >= 0) & (row >= row_start) & (row < PAGE_SIZE)
-        offs = row.to(tl.int64) * stride_cr + (pair % HKV) * stride_ch
+        offs = row.to(tl.int64) * stride_cr + (k % HKV) * stride_ch
         # Nothing reads the zeros soon: on an H200 the hint took the 33 MB clear of 128
         # requests' pages of 64 rows (Hkv 8) 5 % faster.
         tl.store(base + offs[:, None] + cols, zeros, mask=m[:, None],
