@@ -379,11 +379,11 @@ def request_status(n, seq_len, page_indices_ptr, stride_pi, b, valid, check_page
     (``ERR_PAGE`` only looked for when ``check_pages``: it walks the request's
     page-table row); ``last_page`` is the page holding the request's last row when
     that page may be cleared, else -1 (``last_page_tail`` says which of its rows
-    follow the last row).  As in
-    FlashInfer's kernel, every request of length ``seq_len >= 1`` clears, also one
-    that appends no token in this call; here only when the table is valid, the
-    last row lies inside the page table, the request's appended positions (if any)
-    are in range, and the page index is in ``[0, num_pages)``.
+    follow the last row).  As in FlashInfer's kernel, every request of length
+    ``seq_len >= 1`` clears, also one that appends no token in this call; here only
+    when the table is valid, the last row lies inside the page table, the request's
+    appended positions (if any) are in range, and the page index is in
+    ``[0, num_pages)``.
     """
     pos_ok = positions_in_range(n, seq_len, max_pos, max_pages, PAGE_SIZE)
     status = tl.where(valid, 0, _ERR_METADATA)
