@@ -376,14 +376,14 @@ def request_status(n, seq_len, page_indices_ptr, stride_pi, b, valid, check_page
     last page whose unused rows it may clear.
 
     Returns ``(status, last_page)``: ``status`` is a sum of ``ERR_*`` bits
-    (``ERR_PAGE`` only looked for when ``check_pages``: it walks the request's
-    page-table row); ``last_page`` is the page holding the request's last row when
-    that page may be cleared, else -1 (``last_page_tail`` says which of its rows
-    follow the last row).  As in FlashInfer's kernel, every request of length
-    ``seq_len >= 1`` clears, also one that appends no token in this call; here only
-    when the table is valid, the last row lies inside the page table, the request's
-    appended positions (if any) are in range, and the page index is in
-    ``[0, num_pages)``.
+    (``ERR_PAGE`` only looked for when ``check_pages``: it walks the page-table slots
+    the request writes, ``NUM_P_CHUNKS`` chunks from the first); ``last_page`` is the
+    page holding the request's last row when that page may be cleared, else -1
+    (``last_page_tail`` says which of its rows follow the last row).  As in
+    FlashInfer's kernel, every request of length ``seq_len >= 1`` clears, also one that
+    appends no token in this call; here only when the table is valid, the last row
+    lies inside the page table, the request's appended positions (if any) are in
+    range, and the page index is in ``[0, num_pages)``.
     """
     pos_ok = positions_in_range(n, seq_len, max_pos, max_pages, PAGE_SIZE)
     status = tl.where(valid, 0, _ERR_METADATA)
@@ -395,13 +395,13 @@ def request_status(n, seq_len, page_indices_ptr, stride_pi, b, valid, check_page
     row_base = page_indices_ptr + b.to(tl.int64) * stride_pi
     if check_pages:
         bad_slots = tl.zeros([CHUNK_P], dtype=tl.int32)
-        for c in range(NUM_P_CHUNKS):
-            s = c * CHUNK_P + tl.arange(0, CHUNK_P)
-            m = (s >= first_slot) & (s <= last_slot)
+        for c in range(NUM_P_CHUNKS):  # from the first written slot (launch_plan's bound)
+            s = first_slot + c * CHUNK_P + tl.arange(0, CHUNK_P)
+            m = s <= last_slot
             p = tl.load(row_base + s, mask=m, other=0)
             bad_slots += (m & ((p < 0) | (p >= num_pages))).to(tl.int32)
         # One reduction after the loop, not one a chunk: each is a shared-memory round trip
-        # and a barrier (16 of them for a table of 1,001 pages of one row).
+        # and a barrier.
         status += tl.where(tl.sum(bad_slots, axis=0) > 0, _ERR_PAGE, 0)
     # The page holding the last row: for a request that appends nothing only the page table
     # bound matters (its positions index no cos/sin row).
@@ -522,7 +522,10 @@ def launch_plan(num_tokens: int, num_req: int, num_slots: int, num_kv_heads: int
     clear_programs = (_config.append_clear_programs(page_size, num_kv_heads, num_req)
                       if clear else 1)
     chunk_b = min(_config.APPEND_CHUNK_B, triton.next_power_of_2(num_req))
-    chunk_p = min(_config.APPEND_CHUNK_P, triton.next_power_of_2(max_pages))
+    # The page check walks the slots a request writes, from its first: n <= T tokens span
+    # at most T // page_size + 2 slots, however long the context before them.
+    walk = min(max_pages, num_tokens // page_size + 2)
+    chunk_p = min(_config.APPEND_CHUNK_P, triton.next_power_of_2(walk))
     tile_programs = triton.cdiv(num_tokens, block_m) * triton.cdiv(num_slots, block_s)
     request_programs = num_req * clear_programs
     return dict(
@@ -530,7 +533,7 @@ def launch_plan(num_tokens: int, num_req: int, num_slots: int, num_kv_heads: int
         num_warps=_config.append_num_warps(num_tokens, num_slots),
         TOKEN_PROGRAMS=token_programs, BLOCK_M=block_m, BLOCK_S=block_s,
         CHUNK_B=chunk_b, NUM_B_CHUNKS=triton.cdiv(num_req, chunk_b), CHUNK_P=chunk_p,
-        NUM_P_CHUNKS=triton.cdiv(max_pages, chunk_p), BLOCK_R=_config.APPEND_BLOCK_R,
+        NUM_P_CHUNKS=triton.cdiv(walk, chunk_p), BLOCK_R=_config.APPEND_BLOCK_R,
         CLEAR_PROGRAMS=clear_programs,
         TILES_FIRST=_config.append_tiles_first(tile_programs, request_programs))
 

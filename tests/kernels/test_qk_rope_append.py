@@ -212,12 +212,15 @@ def test_out_of_range_page_writes_nothing(device):
     assert not all(targets.page_ok) and any(targets.page_ok)
 
 
-def test_bad_page_in_a_long_table_is_found(device):
-    """Pages of one row: request 0 writes slots 100..139 of a 200-slot table (its second and
-    third chunks of APPEND_CHUNK_P), and one of them is bad; request 1's pages are good."""
-    case = Case(new=[40, 2], prefix=[100, 190], page_size=1, num_q_heads=2, num_kv_heads=1)
-    assert case.page_indices.shape[1] > 3 * _config.APPEND_CHUNK_P
-    case.page_indices[0, 110] = -1
+@pytest.mark.parametrize("bad_slot", [100, 229])
+def test_bad_page_in_a_long_table_is_found(device, bad_slot):
+    """Pages of one row: request 0 writes slots 100..229 of a 300-slot table, checked in
+    chunks of APPEND_CHUNK_P from its first written slot; a bad page at either end is found.
+    Request 1 writes two slots; the junk past them (unused slots hold out-of-range indices)
+    is never read."""
+    case = Case(new=[130, 2], prefix=[100, 290], page_size=1, num_q_heads=2, num_kv_heads=1)
+    assert 130 > 2 * _config.APPEND_CHUNK_P
+    case.page_indices[0, bad_slot] = -1
     targets = run_case(device, case, policy=0)
     assert targets.status == [ERR_PAGE, 0]
     assert not all(targets.page_ok) and any(targets.page_ok)

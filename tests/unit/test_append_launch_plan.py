@@ -62,7 +62,11 @@ def test_scan_chunks_fit_the_tables():
     plan = launch_plan(num_tokens=300, num_req=300, num_slots=4, num_kv_heads=1, head_dim=128,
                        page_size=16, max_pages=200, clear=True, token_programs=False)
     assert (plan["CHUNK_B"], plan["NUM_B_CHUNKS"]) == (128, 3)
-    assert (plan["CHUNK_P"], plan["NUM_P_CHUNKS"]) == (64, 4)
+    # The page check walks the slots 300 tokens can span (300 // 16 + 2), not the table.
+    assert (plan["CHUNK_P"], plan["NUM_P_CHUNKS"]) == (32, 1)
+    plan = launch_plan(num_tokens=300, num_req=3, num_slots=4, num_kv_heads=1, head_dim=128,
+                       page_size=1, max_pages=32768, clear=True, token_programs=False)
+    assert (plan["CHUNK_P"], plan["NUM_P_CHUNKS"]) == (64, 5)
 
 
 @pytest.mark.parametrize("num_tokens,num_req,policy,token_programs", [
