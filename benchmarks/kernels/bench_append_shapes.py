@@ -2,11 +2,11 @@
 nearest to, timed in the same process.
 
 FlashInfer's Cake append kernels (``../shared/anchors/flashinfer_append``) cover D = 128,
-NHD caches and the heads ``(8, 1)`` and ``(64, 8)``.  Ours take any GQA, D 64/128/256,
-both layouts and any page size, and must be no slower there than on the nearest shape the
-anchor covers.  Each row here changes one thing of an anchor row (its *base*: the anchor's
-batch, new tokens and heads, D = 128, NHD, pages of 16 after 1,000 cached tokens) and
-compares per byte where the new shape moves more::
+NHD caches and the heads ``(8, 1)`` and ``(64, 8)``, after 1,000-2,048 cached tokens.  Ours
+take any GQA, D 64/128/256, both layouts, any page size and any context, and must be no
+slower there than on the nearest shape the anchor covers.  Each row here changes one thing
+of an anchor row (its *base*: the anchor's batch, new tokens and heads, D = 128, NHD, pages
+of 16 after 1,000 cached tokens) and compares per byte where the new shape moves more::
 
     ratio = time(shape) / (time(base) * max(1, bytes(shape) / bytes(base)))
 
@@ -60,23 +60,29 @@ HEADS = {(8, 1): ((16, 2), (6, 1), (8, 8)), (64, 8): ((32, 8), (40, 8), (32, 4))
 HEAD_DIMS = (64, 256)
 PAGE_SIZES = (1, 32, 256)
 PREFIX = 1000
+# A long context with the base's last-page tail at every page size up to 256 (32,000 is
+# 125 x 256): the page table a request program could walk is 33 times the base's.
+LONG_PREFIX = PREFIX + 32_000
 BASE_PAGE = 16
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One call shape: a base's batch and new tokens with these heads, D, layout, pages."""
+    """One call shape: a base's batch and new tokens with these heads, D, layout, pages,
+    after ``prefix`` cached tokens."""
 
     heads: tuple[int, int]
     head_dim: int = HEAD_DIM
     kv_layout: str = "NHD"
     page_size: int = BASE_PAGE
+    prefix: int = PREFIX
 
     def label(self, base: Base) -> str:
         changed = [f"heads {self.heads}" if self.heads != base.heads else "",
                    f"D {self.head_dim}" if self.head_dim != HEAD_DIM else "",
                    self.kv_layout if self.kv_layout != "NHD" else "",
-                   f"page {self.page_size}" if self.page_size != BASE_PAGE else ""]
+                   f"page {self.page_size}" if self.page_size != BASE_PAGE else "",
+                   f"prefix {self.prefix}" if self.prefix != PREFIX else ""]
         return ", ".join(c for c in changed if c) or "base"
 
 
@@ -85,13 +91,15 @@ def shapes_of(base: Base) -> list[Shape]:
     return ([Shape(h) for h in HEADS[base.heads]]
             + [Shape(base.heads, head_dim=d) for d in HEAD_DIMS]
             + [Shape(base.heads, kv_layout="HND")]
-            + [Shape(base.heads, page_size=ps) for ps in PAGE_SIZES])
+            + [Shape(base.heads, page_size=ps) for ps in PAGE_SIZES]
+            + [Shape(base.heads, prefix=LONG_PREFIX)])
 
 
 def problem_of(base: Base, shape: Shape, quant: int, norm: int) -> dict:
     """``bench_qk_rope_append``'s inputs for ``shape`` at ``base``'s batch and new tokens."""
     return make_problem(base.batch, base.new, shape.heads, quant, norm, page_size=shape.page_size,
-                        prefix=PREFIX, head_dim=shape.head_dim, kv_layout=shape.kv_layout)
+                        prefix=shape.prefix, head_dim=shape.head_dim,
+                        kv_layout=shape.kv_layout)
 
 
 def per_byte_ratio(time_us: float, moved: int, base_us: float, base_moved: int) -> float:

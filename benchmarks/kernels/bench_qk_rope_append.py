@@ -136,7 +136,7 @@ def make_problem(num_req: int, new: int, heads: tuple[int, int], quant: int, nor
         q_indptr=torch.arange(0, t + 1, new, dtype=torch.int32, device=dev),
         page_indices=torch.randperm(num_pages, device=dev)[:num_req * pages_per_req]
         .view(num_req, pages_per_req).to(torch.int32),
-        caches=[torch.zeros(cache_shape, device=dev).to(cache_dtype) for _ in range(2)],
+        caches=[torch.zeros(cache_shape, device=dev, dtype=cache_dtype) for _ in range(2)],
         weights=[torch.rand(d, device=dev) + 0.5 for _ in range(2)],
         scales=[torch.tensor([s], device=dev) for s in (0.01, 0.02, 150.0)],
         hq=hq, hkv=hkv, d=d, page_size=ps, kv_layout=kv_layout, quant=quant, norm=norm,
