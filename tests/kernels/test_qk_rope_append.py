@@ -99,6 +99,18 @@ def test_long_pages_clear_in_capped_shares(device, kv_layout, record_property):
     run_case(device, case, policy=2, kv_layout=kv_layout, record=record_property)
 
 
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_short_tails_dealt_over_clear_programs(device, kv_layout, record_property):
+    """Pages of 64 rows at Hkv = 6: 24 clear programs a request, chunks of 16 pairs that
+    straddle rows. Tails of 3 rows (two chunks), 1 row, none (the page is full), 63 rows
+    (every chunk) and 26 rows of a second page: most programs have no chunk and stop
+    early, the others must still clear every row of the tail and nothing before it."""
+    case = Case(new=[1, 1, 1, 1, 2], prefix=[60, 62, 63, 0, 100], page_size=64,
+                num_q_heads=12, num_kv_heads=6)
+    assert _config.append_clear_programs(64, 6, 5) == 24
+    run_case(device, case, policy=2, kv_layout=kv_layout, record=record_property)
+
+
 @pytest.mark.parametrize("heads,policy,rope_style,kv_layout", [
     ((8, 1), 2, "neox", "NHD"),
     ((64, 8), 1, "neox", "NHD"),
