@@ -17,6 +17,7 @@ or after one asynchronous all-to-all (NCCL).  Both steps are
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -85,6 +86,12 @@ class UlyssesAttention(nn.Module):
     save_projection : bool
         Keep the forward's QKV projection for the backward instead of recomputing its Q/K
         part there (see ``QkvNormRopeExchangeOverlap``; docs/guide.md, Training).
+    share_backward_exchange : bool
+        The backward's scatter of ``d_o`` by heads goes through one slot shared by every
+        layer of the same shape on the group (the default): its result is read by this
+        layer's attention backward at once.  ``False`` gives the layer a slot of its own,
+        for a module that runs several layers' ``back_end`` steps on one attention (FLUX's
+        dual-stream blocks), whose backwards both finish before the attention's.
     device, dtype :
         Where the parameters live (the current CUDA device, or the CPU), and their dtype:
         bf16, or fp32 master weights (cast to bf16 in each forward, fp32 gradients).
@@ -104,14 +111,16 @@ class UlyssesAttention(nn.Module):
                  softmax_scale: float | None = None, attention_backend: str = "auto",
                  backend: str = "auto", o_proj: bool = True, num_slots: int = 1,
                  wait_timeout_s: float = 30.0, engine: str = "auto",
-                 save_projection: bool = False, device: torch.device | str | None = None,
+                 save_projection: bool = False, share_backward_exchange: bool = True,
+                 device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         group = resolve_group(group)
         device = _resolve_device(device)
         options = dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, causal=causal,
                        softmax_scale=softmax_scale, attention_backend=attention_backend,
-                       o_proj=o_proj, dtype=str(dtype))
+                       o_proj=o_proj, share_backward_exchange=share_backward_exchange,
+                       dtype=str(dtype))
         error = None
         try:
             self._check_options(options, dtype)
@@ -133,6 +142,7 @@ class UlyssesAttention(nn.Module):
             engine=engine, save_projection=save_projection)
         plan = self.session.plan
         self._group, self._timeout = group, wait_timeout_s
+        self._share_scatter = share_backward_exchange
         self._gather = make_band_exchange(
             self.session.backend, group,
             BandTransfer(GATHER_TOKENS, plan.world_size, (plan.q_per_rank,), head_dim),
@@ -202,20 +212,43 @@ class UlyssesAttention(nn.Module):
         Under ``torch.compile`` the session call and the output step are custom operators
         (``session/ops.py``), so the layer compiles into the model's graph (and its
         backward into the compiled backward) with no graph break.
+
+        The same as ``back_end(attend(*front_end(x, rope_cos_sin, positions)))``: a module
+        that attends over more than one layer's tokens (FLUX's dual-stream blocks) calls
+        the three steps itself.
         """
-        # Differentiable casts: fp32 master weights get fp32 gradients (no-ops for bf16).
-        params = [None if p is None else p.to(torch.bfloat16)
-                  for p in (self.qkv_weight, self.qkv_bias, self.q_norm_weight,
-                            self.k_norm_weight, self.o_weight, self.o_bias)]
+        return self.back_end(self.attend(*self.front_end(x, rope_cos_sin, positions)))
+
+    def front_end(self, x: Tensor, rope_cos_sin: Tensor,
+                  positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``q [B, S, Hq / W, D]``, ``k, v [B, S, Hkv_local, D]`` bf16: this rank's head band
+        over the whole sequence (``S = W * S_local``, rank ``r``'s tokens at rows
+        ``[r * S_local, (r + 1) * S_local)``), projected, normalised and rotated from every
+        rank's ``x`` (``forward``'s arguments).  Views of a receive slot (see ``forward``)."""
         if x.dtype != torch.bfloat16 and (x.dtype == torch.float32 or
                                           torch.is_autocast_enabled(x.device.type)):
             x = x.to(torch.bfloat16)
-        qkv_weight, qkv_bias, q_norm, k_norm, o_weight, o_bias = params
+        # Differentiable casts: fp32 master weights get fp32 gradients (no-ops for bf16).
+        params = [None if p is None else p.to(torch.bfloat16)
+                  for p in (self.qkv_weight, self.qkv_bias, self.q_norm_weight,
+                            self.k_norm_weight)]
+        qkv_weight, qkv_bias, q_norm, k_norm = params
         with torch.autocast(x.device.type, enabled=False):
-            q, k, v = self.session(x, qkv_weight, q_norm, k_norm, rope_cos_sin, positions,
-                                   qkv_bias)
-            o = attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
-                          backend=self.attention_backend)
+            return self.session(x, qkv_weight, q_norm, k_norm, rope_cos_sin, positions, qkv_bias)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """``o [B, S, Hq / W, D]``: the layer's attention (its mask, scale and backend) over
+        ``front_end``'s bands, or over several layers' bands joined along the sequence."""
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
+                             backend=self.attention_backend)
+
+    def back_end(self, o: Tensor) -> Tensor:
+        """``forward``'s result from ``o [B, S, Hq / W, D]`` (``attend``'s layout, this layer's
+        ``S``): gathered by tokens from every rank's head band, then o_proj."""
+        o_weight, o_bias = (None if p is None else p.to(torch.bfloat16)
+                            for p in (self.o_weight, self.o_bias))
+        with torch.autocast(o.device.type, enabled=False):
             if torch.compiler.is_compiling():
                 return ops.output_projection(self, o, o_weight, o_bias)
             scatter = self._backward_exchange() if torch.is_grad_enabled() else None
@@ -224,10 +257,13 @@ class UlyssesAttention(nn.Module):
     def _backward_exchange(self):
         """The scatter by heads of ``d_o``, built by the first forward under grad (collective:
         every rank makes that forward).  One slot, read by the attention's backward at once,
-        shared with every layer of the same shape on the group."""
+        shared with every layer of the same shape on the group unless
+        ``share_backward_exchange`` is off."""
         if self._scatter is None:
             plan = self.session.plan
-            self._scatter = shared_band_exchange(
+            make = shared_band_exchange if self._share_scatter else functools.partial(
+                make_band_exchange, num_slots=1)
+            self._scatter = make(
                 self.backend, self._group,
                 BandTransfer(SCATTER_HEADS, plan.world_size, (plan.q_per_rank,), self.head_dim),
                 max_tokens=self.max_tokens, device=self.session.device,
@@ -239,7 +275,8 @@ class UlyssesAttention(nn.Module):
         """Device memory this layer's exchanges hold on this rank (receive slots, staging
         buffers, readiness words), allocated once at construction and at the first forward
         under grad; the parameters not included.  The backward's two exchanges are shared by
-        every layer of the same shape and counted in each."""
+        every layer of the same shape (the scatter unless ``share_backward_exchange`` is
+        off) and counted in each."""
         exchanges = (self.session._impl, self.session._grad_exchange, self._gather,
                      self._scatter)
         return sum(e.nbytes for e in exchanges if e is not None)
@@ -257,7 +294,10 @@ class UlyssesAttention(nn.Module):
         if self._gather is not None:
             self._gather.close()
         if self._scatter is not None:
-            release_band_exchange(self._scatter)
+            if self._share_scatter:
+                release_band_exchange(self._scatter)
+            else:
+                self._scatter.close()
         self._gather = self._scatter = self._group = None
 
     def __enter__(self) -> UlyssesAttention:
