@@ -1,7 +1,8 @@
 """Drop-in replacements of the attention modules of Hugging Face models (optional extras).
 
 * ``cake_sp.integrations.transformers.apply_ulysses``: Qwen3, Qwen2 and Llama attention;
-* ``cake_sp.integrations.diffusers.apply_ulysses``: the attention of FLUX single-stream blocks.
+* ``cake_sp.integrations.diffusers.apply_ulysses``: the attention of FLUX's single- and
+  dual-stream blocks.
 
 Each imports its library lazily.  ``close(model)`` releases every layer's buffers
 (collective, like the layers' construction).

@@ -29,6 +29,9 @@ TRAIN_STEPS = 20
 # Training diverges slowly by chance in both runs: the loss curves may differ by at most
 # this many times the bf16 run's distance from the float32 run, step by step.
 TRAIN_NOISE_FACTOR = 3.0
+# The whole FLUX transformer's attention output projections are scaled up by this: at
+# random initialisation attention is too small a part of the output for its errors to show.
+ATTENTION_GAIN = 8.0
 
 
 def _tiny_config(kind: str):
@@ -128,6 +131,165 @@ def case_flux_single_block(ctx):
             "bf16_rel_error": relative_error(peer, want)}
 
 
+def _flux_ids(text: int, height: int, width: int) -> torch.Tensor:
+    """FLUX's position ids: zeros for the text tokens, then (0, row, column) per image token."""
+    grid = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(float(height)),
+                                      torch.arange(float(width)), indexing="ij"), -1)
+    return torch.cat([torch.zeros(text, 3), grid.view(-1, 3)])
+
+
+def _stream_shards(ctx, text: int, image: int):
+    """Each stream split evenly: this rank's text rows, image rows, and their ids' rows."""
+    t, i = text // ctx.world_size, image // ctx.world_size
+    txt = slice(ctx.rank * t, (ctx.rank + 1) * t)
+    img = slice(ctx.rank * i, (ctx.rank + 1) * i)
+    rows = torch.cat([torch.arange(text)[txt], text + torch.arange(image)[img]])
+    return txt, img, rows
+
+
+def case_flux_dual_block(ctx):
+    """A dual-stream block, text and image each sharded evenly, with each rank's RoPE rows."""
+    from diffusers.models.embeddings import FluxPosEmbed
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import FluxDualUlyssesAttention, apply_ulysses
+
+    torch.manual_seed(0)
+    dim = 256
+    fp32 = FluxTransformerBlock(dim=dim, num_attention_heads=4, attention_head_dim=64)
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=64)
+    g = torch.Generator().manual_seed(3)
+    text, image, batch = 8, 56, 2
+    txt = torch.randn(batch, text, dim, generator=g)
+    img = torch.randn(batch, image, dim, generator=g)
+    temb = torch.randn(batch, dim, generator=g)
+    cos, sin = FluxPosEmbed(theta=10000, axes_dim=[16, 24, 24])(_flux_ids(text, 7, 8))
+    t_rows, i_rows, rows = _stream_shards(ctx, text, image)
+
+    def run(block, dtype, txt_part, img_part, rotary):
+        with torch.no_grad():
+            context, hidden = block(img_part.to(dtype), txt_part.to(dtype), temb.to(dtype),
+                                    rotary)
+        return torch.cat([context.float(), hidden.float()], dim=1)
+
+    def shard(out):
+        return torch.cat([out[:, :text][:, t_rows], out[:, text:][:, i_rows]], dim=1)
+
+    emb = (cos.float(), sin.float())
+    want = shard(run(fp32, torch.float32, txt, img, emb))
+    peer = shard(run(bf16, torch.bfloat16, txt, img, emb))
+    got = run(ours, torch.bfloat16, txt[:, t_rows], img[:, i_rows], (emb[0][rows], emb[1][rows]))
+    replaced = sum(isinstance(m, FluxDualUlyssesAttention) for m in ours.modules())
+    close(ours)
+    return {"replaced": replaced, "rel_error": relative_error(got, want),
+            "bf16_rel_error": relative_error(peer, want)}
+
+
+def case_flux_dual_block_gradients(ctx):
+    """The dual-stream block's weight gradients (fp32 master weights, bf16 autocast), summed
+    over the ranks, against the unmodified block's on the full sequence.  Both streams'
+    output steps run their backwards before the joint attention's: a text ``d_o`` through
+    the slot the image layer shares would be overwritten before the attention reads it."""
+    from diffusers.models.embeddings import FluxPosEmbed
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import apply_ulysses
+
+    torch.manual_seed(0)
+    dim = 256
+    fp32 = FluxTransformerBlock(dim=dim, num_attention_heads=4, attention_head_dim=64)
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    ours = apply_ulysses(copy.deepcopy(fp32), max_tokens=64)
+    g = torch.Generator().manual_seed(5)
+    text, image, batch = 8, 56, 2
+    txt = torch.randn(batch, text, dim, generator=g)
+    img = torch.randn(batch, image, dim, generator=g)
+    temb = torch.randn(batch, dim, generator=g)
+    weights = torch.randn(batch, text + image, dim, generator=g)
+    cos, sin = FluxPosEmbed(theta=10000, axes_dim=[16, 24, 24])(_flux_ids(text, 7, 8))
+    emb = (cos.float(), sin.float())
+    t_rows, i_rows, rows = _stream_shards(ctx, text, image)
+
+    def backward(block, dtype, txt_part, img_part, rotary, loss_weights):
+        context, hidden = block(img_part.to(dtype), txt_part.to(dtype), temb.to(dtype), rotary)
+        (torch.cat([context, hidden], dim=1).float() * loss_weights).sum().backward()
+
+    def attention_grads(attn):
+        return torch.cat([p.grad.float().flatten() for p in (
+            attn.to_q.weight, attn.to_k.weight, attn.to_v.weight, attn.add_q_proj.weight,
+            attn.add_k_proj.weight, attn.add_v_proj.weight, attn.to_out[0].weight,
+            attn.to_add_out.weight)])
+
+    backward(fp32, torch.float32, txt, img, emb, weights)
+    backward(bf16, torch.bfloat16, txt, img, emb, weights)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        backward(ours, torch.float32, txt[:, t_rows], img[:, i_rows],
+                 (emb[0][rows], emb[1][rows]),
+                 torch.cat([weights[:, :text][:, t_rows], weights[:, text:][:, i_rows]], 1))
+    attn = ours.attn
+    got = torch.cat([p.grad.flatten() for p in (attn.image.qkv_weight, attn.text.qkv_weight,
+                                                attn.image.o_weight, attn.text.o_weight)])
+    dist.all_reduce(got)  # each rank's tokens' share of the gradient
+    close(ours)
+    want = attention_grads(fp32.attn)
+    return {"replaced": 1, "rel_error": relative_error(got, want),
+            "bf16_rel_error": relative_error(attention_grads(bf16.attn), want)}
+
+
+def case_flux_transformer(ctx):
+    """A whole FLUX transformer (a dual-stream and a single-stream block): each rank passes
+    its text and image tokens with their own ids, and gets its image tokens' output."""
+    from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
+
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import (
+        FluxDualUlyssesAttention,
+        FluxUlyssesAttention,
+        apply_ulysses,
+    )
+
+    torch.manual_seed(0)
+    fp32 = FluxTransformer2DModel(in_channels=16, num_layers=1, num_single_layers=1,
+                                  attention_head_dim=64, num_attention_heads=4,
+                                  joint_attention_dim=32, pooled_projection_dim=32,
+                                  axes_dims_rope=(16, 24, 24)).eval()
+    with torch.no_grad():  # attention's share of every block's output up, so errors show
+        for block in fp32.transformer_blocks:
+            block.attn.to_out[0].weight.mul_(ATTENTION_GAIN)
+            block.attn.to_add_out.weight.mul_(ATTENTION_GAIN)
+        for block in fp32.single_transformer_blocks:
+            block.proj_out.weight[:, :fp32.inner_dim].mul_(ATTENTION_GAIN)
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=128)
+    g = torch.Generator().manual_seed(4)
+    text, height, width, batch = 8, 7, 8, 2
+    image = height * width
+    img = torch.randn(batch, image, 16, generator=g)
+    txt = torch.randn(batch, text, 32, generator=g)
+    pooled = torch.randn(batch, 32, generator=g)
+    timestep = torch.zeros(batch)  # an exact time embedding in bf16: less noise to hide in
+    ids = _flux_ids(text, height, width)
+    t_rows, i_rows, _ = _stream_shards(ctx, text, image)
+
+    def run(model, dtype, txt_part, img_part, txt_ids, img_ids):
+        with torch.no_grad():
+            return model(img_part.to(dtype), txt_part.to(dtype), pooled.to(dtype),
+                         timestep.to(dtype), img_ids, txt_ids, return_dict=False)[0].float()
+
+    want = run(fp32, torch.float32, txt, img, ids[:text], ids[text:])[:, i_rows]
+    peer = run(bf16, torch.bfloat16, txt, img, ids[:text], ids[text:])[:, i_rows]
+    got = run(ours, torch.bfloat16, txt[:, t_rows], img[:, i_rows], ids[:text][t_rows],
+              ids[text:][i_rows])
+    replaced = sum(isinstance(m, (FluxUlyssesAttention, FluxDualUlyssesAttention))
+                   for m in ours.modules())
+    close(ours)
+    return {"replaced": replaced, "rel_error": relative_error(got, want),
+            "bf16_rel_error": relative_error(peer, want)}
+
+
 def case_unsupported_inputs_raise(ctx):
     import transformers
 
@@ -211,8 +373,10 @@ def case_qwen3_training_parity(ctx):
     return report
 
 
-CASES = [case_qwen3_logits, case_qwen2_logits, case_llama_logits, case_flux_single_block,
-         case_unsupported_inputs_raise, case_qwen3_training_parity]
+OUTPUT_CASES = [case_qwen3_logits, case_qwen2_logits, case_llama_logits,
+                case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
+                case_flux_transformer]
+CASES = [*OUTPUT_CASES, case_unsupported_inputs_raise, case_qwen3_training_parity]
 
 
 
@@ -254,7 +418,7 @@ def _check_training(world, name, per_rank) -> str:
             f"(bf16 vs fp32: {noise:.2e})")
 
 
-CHECKS = {**{c.__name__: _check_outputs for c in CASES[:4]},
+CHECKS = {**{c.__name__: _check_outputs for c in OUTPUT_CASES},
           case_unsupported_inputs_raise.__name__: _check_unsupported,
           case_qwen3_training_parity.__name__: _check_training}
 assert set(CHECKS) == {c.__name__ for c in CASES}
