@@ -92,27 +92,49 @@ def case_llama_logits(ctx):
     return _check_logits(ctx, "llama")
 
 
-def case_flux_single_block(ctx):
+def _flux_ids(text: int, height: int, width: int) -> torch.Tensor:
+    """FLUX's position ids: zeros for the text tokens, then (0, row, column) per image token."""
+    grid = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(float(height)),
+                                      torch.arange(float(width)), indexing="ij"), -1)
+    return torch.cat([torch.zeros(text, 3), grid.view(-1, 3)])
+
+
+def _stream_shards(ctx, text: int, image: int):
+    """Each stream split evenly: this rank's text rows, image rows, and their ids' rows."""
+    t, i = text // ctx.world_size, image // ctx.world_size
+    txt = slice(ctx.rank * t, (ctx.rank + 1) * t)
+    img = slice(ctx.rank * i, (ctx.rank + 1) * i)
+    rows = torch.cat([torch.arange(text)[txt], text + torch.arange(image)[img]])
+    return txt, img, rows
+
+
+def _flux_block_problem(block_cls, *, seed: int):
+    """A random fp32 FLUX block (dim 256, 4 heads of 64) and its inputs: text ``[2, 8, 256]``,
+    image ``[2, 56, 256]`` (7 x 8), ``temb [2, 256]`` and the whole sequence's RoPE
+    ``(cos, sin)`` in fp32."""
     from diffusers.models.embeddings import FluxPosEmbed
+
+    torch.manual_seed(0)  # every rank builds the same weights
+    dim, text, height, width, batch = 256, 8, 7, 8, 2
+    block = block_cls(dim=dim, num_attention_heads=4, attention_head_dim=64)
+    g = torch.Generator().manual_seed(seed)
+    txt = torch.randn(batch, text, dim, generator=g)
+    img = torch.randn(batch, height * width, dim, generator=g)
+    temb = torch.randn(batch, dim, generator=g)
+    cos, sin = FluxPosEmbed(theta=10000, axes_dim=[16, 24, 24])(_flux_ids(text, height, width))
+    return block, txt, img, temb, (cos.float(), sin.float())
+
+
+def case_flux_single_block(ctx):
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
 
     from cake_sp.integrations import close
     from cake_sp.integrations.diffusers import apply_ulysses
 
-    torch.manual_seed(0)
-    dim = 256
-    fp32 = FluxSingleTransformerBlock(dim=dim, num_attention_heads=4, attention_head_dim=64)
+    fp32, txt, img, temb, emb = _flux_block_problem(FluxSingleTransformerBlock, seed=2)
     bf16 = copy.deepcopy(fp32).bfloat16()
     ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=64)
-    g = torch.Generator().manual_seed(2)
-    text, image, batch = 8, 56, 2
-    txt = torch.randn(batch, text, dim, generator=g)
-    img = torch.randn(batch, image, dim, generator=g)
-    temb = torch.randn(batch, dim, generator=g)
-    ids = torch.cat([torch.zeros(text, 3), torch.stack(torch.meshgrid(
-        torch.zeros(1), torch.arange(7.0), torch.arange(8.0), indexing="ij"), -1).view(-1, 3)])
-    cos, sin = FluxPosEmbed(theta=10000, axes_dim=[16, 24, 24])(ids)
-    emb = (cos.float(), sin.float())
+    text, image = txt.shape[1], img.shape[1]
 
     def run(block, dtype, txt_part, img_part, rotary):
         with torch.no_grad():
@@ -131,41 +153,17 @@ def case_flux_single_block(ctx):
             "bf16_rel_error": relative_error(peer, want)}
 
 
-def _flux_ids(text: int, height: int, width: int) -> torch.Tensor:
-    """FLUX's position ids: zeros for the text tokens, then (0, row, column) per image token."""
-    grid = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(float(height)),
-                                      torch.arange(float(width)), indexing="ij"), -1)
-    return torch.cat([torch.zeros(text, 3), grid.view(-1, 3)])
-
-
-def _stream_shards(ctx, text: int, image: int):
-    """Each stream split evenly: this rank's text rows, image rows, and their ids' rows."""
-    t, i = text // ctx.world_size, image // ctx.world_size
-    txt = slice(ctx.rank * t, (ctx.rank + 1) * t)
-    img = slice(ctx.rank * i, (ctx.rank + 1) * i)
-    rows = torch.cat([torch.arange(text)[txt], text + torch.arange(image)[img]])
-    return txt, img, rows
-
-
 def case_flux_dual_block(ctx):
     """A dual-stream block, text and image each sharded evenly, with each rank's RoPE rows."""
-    from diffusers.models.embeddings import FluxPosEmbed
     from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
     from cake_sp.integrations import close
     from cake_sp.integrations.diffusers import FluxDualUlyssesAttention, apply_ulysses
 
-    torch.manual_seed(0)
-    dim = 256
-    fp32 = FluxTransformerBlock(dim=dim, num_attention_heads=4, attention_head_dim=64)
+    fp32, txt, img, temb, emb = _flux_block_problem(FluxTransformerBlock, seed=3)
     bf16 = copy.deepcopy(fp32).bfloat16()
     ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=64)
-    g = torch.Generator().manual_seed(3)
-    text, image, batch = 8, 56, 2
-    txt = torch.randn(batch, text, dim, generator=g)
-    img = torch.randn(batch, image, dim, generator=g)
-    temb = torch.randn(batch, dim, generator=g)
-    cos, sin = FluxPosEmbed(theta=10000, axes_dim=[16, 24, 24])(_flux_ids(text, 7, 8))
+    text, image = txt.shape[1], img.shape[1]
     t_rows, i_rows, rows = _stream_shards(ctx, text, image)
 
     def run(block, dtype, txt_part, img_part, rotary):
@@ -177,7 +175,6 @@ def case_flux_dual_block(ctx):
     def shard(out):
         return torch.cat([out[:, :text][:, t_rows], out[:, text:][:, i_rows]], dim=1)
 
-    emb = (cos.float(), sin.float())
     want = shard(run(fp32, torch.float32, txt, img, emb))
     peer = shard(run(bf16, torch.bfloat16, txt, img, emb))
     got = run(ours, torch.bfloat16, txt[:, t_rows], img[:, i_rows], (emb[0][rows], emb[1][rows]))
@@ -192,25 +189,17 @@ def case_flux_dual_block_gradients(ctx):
     over the ranks, against the unmodified block's on the full sequence.  Both streams'
     output steps run their backwards before the joint attention's: a text ``d_o`` through
     the slot the image layer shares would be overwritten before the attention reads it."""
-    from diffusers.models.embeddings import FluxPosEmbed
     from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
     from cake_sp.integrations import close
     from cake_sp.integrations.diffusers import apply_ulysses
 
-    torch.manual_seed(0)
-    dim = 256
-    fp32 = FluxTransformerBlock(dim=dim, num_attention_heads=4, attention_head_dim=64)
+    fp32, txt, img, temb, emb = _flux_block_problem(FluxTransformerBlock, seed=5)
     bf16 = copy.deepcopy(fp32).bfloat16()
     ours = apply_ulysses(copy.deepcopy(fp32), max_tokens=64)
-    g = torch.Generator().manual_seed(5)
-    text, image, batch = 8, 56, 2
-    txt = torch.randn(batch, text, dim, generator=g)
-    img = torch.randn(batch, image, dim, generator=g)
-    temb = torch.randn(batch, dim, generator=g)
-    weights = torch.randn(batch, text + image, dim, generator=g)
-    cos, sin = FluxPosEmbed(theta=10000, axes_dim=[16, 24, 24])(_flux_ids(text, 7, 8))
-    emb = (cos.float(), sin.float())
+    text, image = txt.shape[1], img.shape[1]
+    weights = torch.randn(txt.shape[0], text + image, txt.shape[2],
+                          generator=torch.Generator().manual_seed(6))
     t_rows, i_rows, rows = _stream_shards(ctx, text, image)
 
     def backward(block, dtype, txt_part, img_part, rotary, loss_weights):
