@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from _checks import assert_no_rank_failed
 from _layer_inputs import relative_error
 from _ranks import run_cases
+from torch import nn
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.multi_gpu
@@ -279,6 +280,37 @@ def case_flux_transformer(ctx):
             "bf16_rel_error": relative_error(peer, want)}
 
 
+def case_flux_bad_inputs_raise(ctx):
+    """The dual-stream attention raises, on every rank before any exchange, on the whole
+    sequence's RoPE table (it needs each rank's own rows) and without the text tokens; a
+    model with neither FLUX block raises in apply_ulysses."""
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import apply_ulysses
+
+    block, txt, img, temb, emb = _flux_block_problem(FluxTransformerBlock, seed=7)
+    ours = apply_ulysses(block.bfloat16(), max_tokens=64)
+    t_rows, i_rows, _ = _stream_shards(ctx, txt.shape[1], img.shape[1])
+    local = (txt[:, t_rows].bfloat16(), img[:, i_rows].bfloat16())
+    report = {}
+    for name, call in (
+            ("whole table", lambda: ours.attn(local[1], local[0], image_rotary_emb=emb)),
+            ("no text", lambda: ours.attn(local[1], None, image_rotary_emb=emb))):
+        try:
+            call()
+            report[name] = "no error"
+        except ValueError as exc:
+            report[name] = str(exc)
+    try:
+        apply_ulysses(nn.Linear(4, 4), max_tokens=8)
+        report["model"] = "no error"
+    except ValueError as exc:
+        report["model"] = str(exc)
+    close(ours)
+    return report
+
+
 def case_unsupported_inputs_raise(ctx):
     import transformers
 
@@ -365,7 +397,8 @@ def case_qwen3_training_parity(ctx):
 OUTPUT_CASES = [case_qwen3_logits, case_qwen2_logits, case_llama_logits,
                 case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
                 case_flux_transformer]
-CASES = [*OUTPUT_CASES, case_unsupported_inputs_raise, case_qwen3_training_parity]
+CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise,
+         case_qwen3_training_parity]
 
 
 
@@ -390,6 +423,15 @@ def _check_unsupported(world, name, per_rank) -> str:
     return "unsupported model, mask and cache raised"
 
 
+def _check_flux_bad_inputs(world, name, per_rank) -> str:
+    assert_no_rank_failed(world, per_rank, name)
+    for r in per_rank:
+        assert "pass each rank's own txt_ids and img_ids" in r["whole table"], r["whole table"]
+        assert "encoder_hidden_states=False" in r["no text"], r["no text"]
+        assert "has no FluxSingleTransformerBlock or FluxTransformerBlock" in r["model"], r
+    return "whole-sequence table, missing text tokens and a model without FLUX blocks raised"
+
+
 def _check_training(world, name, per_rank) -> str:
     assert_no_rank_failed(world, per_rank, name)
     r = per_rank[0]
@@ -408,6 +450,7 @@ def _check_training(world, name, per_rank) -> str:
 
 
 CHECKS = {**{c.__name__: _check_outputs for c in OUTPUT_CASES},
+          case_flux_bad_inputs_raise.__name__: _check_flux_bad_inputs,
           case_unsupported_inputs_raise.__name__: _check_unsupported,
           case_qwen3_training_parity.__name__: _check_training}
 assert set(CHECKS) == {c.__name__ for c in CASES}
