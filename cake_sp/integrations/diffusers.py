@@ -29,6 +29,8 @@ matter, only that each token keeps its own RoPE row.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -48,6 +50,14 @@ def _rope_table(image_rotary_emb: tuple[Tensor, Tensor]) -> Tensor:
     cos, sin = image_rotary_emb
     return _ROPE_TABLE.get((cos, sin), (), lambda: torch.cat((cos[:, 0::2], sin[:, 0::2]),
                                                               dim=-1).float())
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(first: int, count: int, batch: int, device: torch.device) -> Tensor:
+    """int64 ``[batch, count]``: rows ``first, ..., first + count - 1`` of the RoPE table for
+    every sequence of the batch.  Kept across calls (read only): a FLUX forward asks for the
+    same two or three ranges in every block."""
+    return torch.arange(first, first + count, device=device).repeat(batch, 1)
 
 
 def _stream_layer(attn: nn.Module, projections: tuple[nn.Linear, nn.Linear, nn.Linear],
@@ -113,9 +123,8 @@ class FluxUlyssesAttention(nn.Module):
             raise ValueError(f"image_rotary_emb has {rows} rows; expected the whole "
                              f"sequence's ({self._world * seq_local}) or this shard's "
                              f"({seq_local})")
-        positions = torch.arange(first, first + seq_local, device=hidden_states.device)
         return self.layer(hidden_states, _rope_table(image_rotary_emb),
-                          positions.repeat(batch, 1))
+                          _positions(first, seq_local, batch, hidden_states.device))
 
 
 class FluxDualUlyssesAttention(nn.Module):
@@ -157,13 +166,10 @@ class FluxDualUlyssesAttention(nn.Module):
                              f"{rows}: pass each rank's own txt_ids and img_ids")
         table = _rope_table(image_rotary_emb)
         batch, device = hidden_states.shape[0], hidden_states.device
-
-        def positions(first: int, count: int) -> Tensor:
-            return torch.arange(first, first + count, device=device).repeat(batch, 1)
-
-        q_t, k_t, v_t = self.text.front_end(encoder_hidden_states, table, positions(0, text_local))
+        q_t, k_t, v_t = self.text.front_end(encoder_hidden_states, table,
+                                            _positions(0, text_local, batch, device))
         q_i, k_i, v_i = self.image.front_end(hidden_states, table,
-                                             positions(text_local, image_local))
+                                             _positions(text_local, image_local, batch, device))
         o = self.image.attend(torch.cat((q_t, q_i), 1), torch.cat((k_t, k_i), 1),
                               torch.cat((v_t, v_i), 1))
         o_t, o_i = o.split((q_t.shape[1], q_i.shape[1]), dim=1)
