@@ -413,6 +413,12 @@ def request_status(n, seq_len, page_indices_ptr, stride_pi, b, valid, check_page
     return status, last_page.to(tl.int64)
 
 
+@triton.constexpr_function
+def page_chunks(page_size, num_kv_heads, block_r):
+    """Chunks of ``block_r`` ``(row, kv head)`` pairs that cover one page."""
+    return (page_size * num_kv_heads + block_r - 1) // block_r
+
+
 @triton.jit
 def last_page_tail(seq_len, HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_R: tl.constexpr):
@@ -425,8 +431,8 @@ def last_page_tail(seq_len, HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     """
     tail_start = seq_len - (tl.maximum(seq_len, 1) - 1) // PAGE_SIZE * PAGE_SIZE
     first_chunk = tail_start * HKV // BLOCK_R
-    page_chunks: tl.constexpr = (PAGE_SIZE * HKV + BLOCK_R - 1) // BLOCK_R
-    return tail_start, first_chunk, tl.where(seq_len > 0, page_chunks - first_chunk, 0)
+    num_chunks = page_chunks(PAGE_SIZE, HKV, BLOCK_R) - first_chunk
+    return tail_start, first_chunk, tl.where(seq_len > 0, num_chunks, 0)
 
 
 @triton.jit
@@ -447,8 +453,7 @@ def clear_rows(cache_ptr, page, row_start, first_chunk, share, stride_cp, stride
     cols = tl.arange(0, D)[None, :]
     zeros = tl.zeros([BLOCK_R, D], dtype=cache_ptr.dtype.element_ty)
     base = cache_ptr + page * stride_cp
-    page_chunks: tl.constexpr = (PAGE_SIZE * HKV + BLOCK_R - 1) // BLOCK_R
-    for i in range((page_chunks + SHARES - 1) // SHARES):
+    for i in range((page_chunks(PAGE_SIZE, HKV, BLOCK_R) + SHARES - 1) // SHARES):
         # A scalar start and a static vector: dividing the loaded start's pair vector by
         # Hkv took the FP8 kernel from 72 to 118 registers (sm_90a), 17-23 % slower.
         first_pair = (first_chunk + share + i * SHARES) * BLOCK_R
