@@ -176,13 +176,13 @@ def build_append(config: dict) -> dict:
     c = {**dict(batch=128, new=1, q_heads=64, kv_heads=8, head_dim=128, page_size=16,
                 norm=2, layout="NHD", clear=True, fp8=False), **config}
     b, n, d, ps, hkv = c["batch"], c["new"], c["head_dim"], c["page_size"], c["kv_heads"]
-    i32 = torch.int32
-    pages_per_req = -(-(1000 + n) // ps)
+    i32, seq = torch.int32, 1000 + n
+    pages_per_req = -(-seq // ps)
     cache = ((b * pages_per_req, ps, hkv, d) if c["layout"] == "NHD"
              else (b * pages_per_req, hkv, ps, d))
     inputs = dict(
         qkv=torch.empty(b * n, (c["q_heads"] + 2 * hkv) * d, dtype=torch.bfloat16),
-        cos_sin=torch.empty(1000 + n, d), seq_lens=torch.full((b,), 1000 + n, dtype=i32),
+        cos_sin=torch.empty(seq, d), seq_lens=torch.full((b,), seq, dtype=i32),
         q_indptr=torch.arange(b + 1, dtype=i32) * n,
         page_indices=torch.arange(b * pages_per_req, dtype=i32).view(b, pages_per_req),
         q_norm_weight=torch.empty(d), k_norm_weight=torch.empty(d),
