@@ -4,7 +4,9 @@ models on the full sequence in one process.
 "Within bf16 noise" is measured, not assumed: the unmodified model runs in
 float32 and in bf16, and the sequence-parallel model's relative error against
 float32 may be at most ``NOISE_FACTOR`` times the unmodified bf16 model's own.
-Models are tiny and random-initialised (no downloads).
+Models are tiny and random-initialised (no downloads).  Every model and input lives on the
+rank's device (``CAKE_SP_TEST_DEVICE``, see ``_ranks.py``): the CPU by default, the GPU's
+kernels with ``cuda`` or ``cuda-shared``.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def _model(kind: str):
 def _shard(ctx, ids):
     s = ids.shape[1] // ctx.world_size
     first = ctx.rank * s
-    positions = torch.arange(first, first + s)[None].expand(ids.shape[0], -1)
+    positions = torch.arange(first, first + s, device=ids.device)[None].expand(ids.shape[0], -1)
     return slice(first, first + s), positions
 
 
@@ -65,12 +67,12 @@ def _check_logits(ctx, kind):
     from cake_sp.integrations import close
     from cake_sp.integrations.transformers import TransformersUlyssesAttention, apply_ulysses
 
-    fp32 = _model(kind).eval()
+    fp32 = _model(kind).eval().to(ctx.device)
     bf16 = copy.deepcopy(fp32).bfloat16()
     ours = apply_ulysses(copy.deepcopy(bf16))
     replaced = sum(isinstance(m, TransformersUlyssesAttention) for m in ours.modules())
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 256, (2, 16 * ctx.world_size), generator=g)
+    ids = torch.randint(0, 256, (2, 16 * ctx.world_size), generator=g).to(ctx.device)
     shard, positions = _shard(ctx, ids)
     with torch.no_grad():
         want = fp32(ids, use_cache=False).logits[:, shard]
@@ -106,13 +108,13 @@ def _stream_shards(ctx, text: int, image: int):
     txt = slice(ctx.rank * t, (ctx.rank + 1) * t)
     img = slice(ctx.rank * i, (ctx.rank + 1) * i)
     rows = torch.cat([torch.arange(text)[txt], text + torch.arange(image)[img]])
-    return txt, img, rows
+    return txt, img, rows.to(ctx.device)
 
 
-def _flux_block_problem(block_cls, *, seed: int):
+def _flux_block_problem(ctx, block_cls, *, seed: int):
     """A random fp32 FLUX block (dim 256, 4 heads of 64) and its inputs: text ``[2, 8, 256]``,
     image ``[2, 56, 256]`` (7 x 8), ``temb [2, 256]`` and the whole sequence's RoPE
-    ``(cos, sin)`` in fp32."""
+    ``(cos, sin)`` in fp32, all on ``ctx.device``."""
     from diffusers.models.embeddings import FluxPosEmbed
 
     torch.manual_seed(0)  # every rank builds the same weights
@@ -123,7 +125,8 @@ def _flux_block_problem(block_cls, *, seed: int):
     img = torch.randn(batch, height * width, dim, generator=g)
     temb = torch.randn(batch, dim, generator=g)
     cos, sin = FluxPosEmbed(theta=10000, axes_dim=[16, 24, 24])(_flux_ids(text, height, width))
-    return block, txt, img, temb, (cos.float(), sin.float())
+    on = [t.to(ctx.device) for t in (txt, img, temb, cos.float(), sin.float())]
+    return block.to(ctx.device), *on[:3], tuple(on[3:])
 
 
 def case_flux_single_block(ctx):
@@ -132,7 +135,7 @@ def case_flux_single_block(ctx):
     from cake_sp.integrations import close
     from cake_sp.integrations.diffusers import apply_ulysses
 
-    fp32, txt, img, temb, emb = _flux_block_problem(FluxSingleTransformerBlock, seed=2)
+    fp32, txt, img, temb, emb = _flux_block_problem(ctx, FluxSingleTransformerBlock, seed=2)
     bf16 = copy.deepcopy(fp32).bfloat16()
     ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=64)
     text, image = txt.shape[1], img.shape[1]
@@ -161,7 +164,7 @@ def case_flux_dual_block(ctx):
     from cake_sp.integrations import close
     from cake_sp.integrations.diffusers import FluxDualUlyssesAttention, apply_ulysses
 
-    fp32, txt, img, temb, emb = _flux_block_problem(FluxTransformerBlock, seed=3)
+    fp32, txt, img, temb, emb = _flux_block_problem(ctx, FluxTransformerBlock, seed=3)
     bf16 = copy.deepcopy(fp32).bfloat16()
     ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=64)
     text, image = txt.shape[1], img.shape[1]
@@ -195,12 +198,12 @@ def case_flux_dual_block_gradients(ctx):
     from cake_sp.integrations import close
     from cake_sp.integrations.diffusers import apply_ulysses
 
-    fp32, txt, img, temb, emb = _flux_block_problem(FluxTransformerBlock, seed=5)
+    fp32, txt, img, temb, emb = _flux_block_problem(ctx, FluxTransformerBlock, seed=5)
     bf16 = copy.deepcopy(fp32).bfloat16()
     ours = apply_ulysses(copy.deepcopy(fp32), max_tokens=64)
     text, image = txt.shape[1], img.shape[1]
     weights = torch.randn(txt.shape[0], text + image, txt.shape[2],
-                          generator=torch.Generator().manual_seed(6))
+                          generator=torch.Generator().manual_seed(6)).to(ctx.device)
     t_rows, i_rows, rows = _stream_shards(ctx, text, image)
 
     def backward(block, dtype, txt_part, img_part, rotary, loss_weights):
@@ -215,7 +218,7 @@ def case_flux_dual_block_gradients(ctx):
 
     backward(fp32, torch.float32, txt, img, emb, weights)
     backward(bf16, torch.bfloat16, txt, img, emb, weights)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
         backward(ours, torch.float32, txt[:, t_rows], img[:, i_rows],
                  (emb[0][rows], emb[1][rows]),
                  torch.cat([weights[:, :text][:, t_rows], weights[:, text:][:, i_rows]], 1))
@@ -245,7 +248,7 @@ def case_flux_transformer(ctx):
     fp32 = FluxTransformer2DModel(in_channels=16, num_layers=1, num_single_layers=1,
                                   attention_head_dim=64, num_attention_heads=4,
                                   joint_attention_dim=32, pooled_projection_dim=32,
-                                  axes_dims_rope=(16, 24, 24)).eval()
+                                  axes_dims_rope=(16, 24, 24)).eval().to(ctx.device)
     with torch.no_grad():  # attention's share of every block's output up, so errors show
         for block in fp32.transformer_blocks:
             block.attn.to_out[0].weight.mul_(ATTENTION_GAIN)
@@ -257,11 +260,12 @@ def case_flux_transformer(ctx):
     g = torch.Generator().manual_seed(4)
     text, height, width, batch = 8, 7, 8, 2
     image = height * width
-    img = torch.randn(batch, image, 16, generator=g)
-    txt = torch.randn(batch, text, 32, generator=g)
-    pooled = torch.randn(batch, 32, generator=g)
-    timestep = torch.zeros(batch)  # an exact time embedding in bf16: less noise to hide in
-    ids = _flux_ids(text, height, width)
+    img = torch.randn(batch, image, 16, generator=g).to(ctx.device)
+    txt = torch.randn(batch, text, 32, generator=g).to(ctx.device)
+    pooled = torch.randn(batch, 32, generator=g).to(ctx.device)
+    # An exact time embedding in bf16: less noise to hide in.
+    timestep = torch.zeros(batch, device=ctx.device)
+    ids = _flux_ids(text, height, width).to(ctx.device)
     t_rows, i_rows, _ = _stream_shards(ctx, text, image)
 
     def run(model, dtype, txt_part, img_part, txt_ids, img_ids):
@@ -289,7 +293,7 @@ def case_flux_bad_inputs_raise(ctx):
     from cake_sp.integrations import close
     from cake_sp.integrations.diffusers import apply_ulysses
 
-    block, txt, img, temb, emb = _flux_block_problem(FluxTransformerBlock, seed=7)
+    block, txt, img, temb, emb = _flux_block_problem(ctx, FluxTransformerBlock, seed=7)
     ours = apply_ulysses(block.bfloat16(), max_tokens=64)
     t_rows, i_rows, _ = _stream_shards(ctx, txt.shape[1], img.shape[1])
     local = (txt[:, t_rows].bfloat16(), img[:, i_rows].bfloat16())
@@ -324,10 +328,11 @@ def case_unsupported_inputs_raise(ctx):
         report["model"] = "no error"
     except ValueError as exc:
         report["model"] = str(exc)
-    model = apply_ulysses(_model("qwen3").bfloat16())
-    ids = torch.randint(0, 256, (1, 8))
-    shard, positions = _shard(ctx, torch.zeros(1, 8 * ctx.world_size))
-    for name, kwargs in (("mask", {"attention_mask": torch.tensor([[0] + [1] * 7])}),
+    model = apply_ulysses(_model("qwen3").bfloat16().to(ctx.device))
+    ids = torch.randint(0, 256, (1, 8), device=ctx.device)
+    shard, positions = _shard(ctx, torch.zeros(1, 8 * ctx.world_size, device=ctx.device))
+    mask = torch.tensor([[0] + [1] * 7], device=ctx.device)
+    for name, kwargs in (("mask", {"attention_mask": mask}),
                          ("cache", {"use_cache": True})):
         try:
             model(ids, position_ids=positions, **kwargs)
@@ -347,7 +352,7 @@ def _train(ctx, model, ids, targets, steps, *, sequence_parallel, checkpointing=
     shard, positions = _shard(ctx, ids) if sequence_parallel else (slice(None), None)
     losses = []
     for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
             logits = model(ids[:, shard], position_ids=positions, use_cache=False).logits
         loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets[:, shard].flatten(),
                                    reduction="sum")
@@ -370,18 +375,18 @@ def case_qwen3_training_parity(ctx):
     from cake_sp.integrations.transformers import apply_ulysses
 
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 256, (2, 16 * ctx.world_size + 1), generator=g)
+    ids = torch.randint(0, 256, (2, 16 * ctx.world_size + 1), generator=g).to(ctx.device)
     ids, targets = ids[:, :-1], ids[:, 1:]
     report = {}
     for name, ckpt in (("ours", False), ("ours_checkpointed", True)):
-        model = apply_ulysses(_model("qwen3"))
+        model = apply_ulysses(_model("qwen3").to(ctx.device))
         report[name] = _train(ctx, model, ids, targets, TRAIN_STEPS, sequence_parallel=True,
                               checkpointing=ckpt)
         close(model)
     if ctx.rank == 0:  # the single-process runs: the reference, and the noise scale (fp32)
-        report["reference"] = _train(ctx, _model("qwen3"), ids, targets, TRAIN_STEPS,
+        report["reference"] = _train(ctx, _model("qwen3").to(ctx.device), ids, targets, TRAIN_STEPS,
                                      sequence_parallel=False)
-        model = _model("qwen3")
+        model = _model("qwen3").to(ctx.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
         report["fp32"] = []
         for _ in range(TRAIN_STEPS):
