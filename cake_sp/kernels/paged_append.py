@@ -32,11 +32,15 @@ host sync or a second launch.  Statuses (bit flags, ``ERR_*``) are computed
 from the metadata alone by the request programs, so no atomics are needed and
 a CUDA-graph replay rewrites them from scratch.
 
-The kernels are latency-bound at serving sizes, so a tile program keeps its
-chain of dependent loads to two: it reads its input rows first (they need no
-metadata), finds each token's request from one level of loads
-(``find_requests``, ``find_request``: a direct look-up for decode batches, a scan
-otherwise), then reads the page table and the RoPE rows.  Heads are held as two
+The kernels are latency-bound at serving sizes, so a program keeps its chain of
+dependent loads to two, and issues every load of a level before the first
+instruction that waits on one: a warp issues in order, so a load written after
+such an instruction (or after a cross-warp reduction's barrier) starts only once
+the earlier load has landed.  First level: the token's request guessed
+(``guess_request``: request ``tok`` itself, always right for decode batches),
+its input rows (they need no metadata), the ``q_indptr`` pass; then the scan
+for a missed guess (``find_requests``, ``find_request``); second level: the page
+table and the RoPE rows.  Heads are held as two
 column halves, so NeoX RoPE needs no exchange between threads.  Why token programs
 for decode: a tile of tokens holds each token's metadata as a vector in a layout of
 its own, and every use beside the ``[rows, D/2]`` data (RoPE rows, store addresses,
@@ -121,26 +125,35 @@ def q_indptr_valid(q_indptr_ptr, num_req, num_tokens, max_req_len, CHUNK_B: tl.c
 
 
 @triton.jit
-def find_requests(q_indptr_ptr, seq_lens_ptr, num_req, tok, live, BLOCK_M: tl.constexpr,
-                  CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr):
-    """The request holding each token of ``tok`` (int32 ``[BLOCK_M]``; ``live``
-    masks the tokens that exist), found with no load waiting on another.
+def guess_request(q_indptr_ptr, seq_lens_ptr, num_req, tok):
+    """The first guess at the request holding token ``tok`` (a scalar or a vector): request
+    ``tok`` itself, which decode batches (one token per request) always match, clamped into
+    ``[0, B)``.  Returns ``(req, start, end, seq_len)``: the index, ``q_indptr[req]``,
+    ``q_indptr[req + 1]`` and ``seq_lens[req]``, three loads that wait on none.
 
-    Returns int32 ``[BLOCK_M]`` vectors ``(req, start, end, seq_len)``: the
-    request's index, ``q_indptr[req]``, ``q_indptr[req + 1]`` and ``seq_lens[req]``;
-    exact for a valid table (``q_indptr_valid``), unspecified otherwise but for
-    ``req``, which is always in ``[0, B)``.
-
-    The first guess is request ``tok`` itself, which decode batches (one token
-    per request) always match: three gathers, no scan.  Only when a live token of
-    the tile falls outside its guess does the program scan the table, taking the
-    four values as masked sums over the one request whose range holds the token.
+    A program issues these before its other loads' first consumer: a warp issues in order,
+    so a load written after an instruction that waits on an earlier one starts only when
+    that one has landed.
     """
-    guess = tl.minimum(tok, num_req - 1)
-    req = guess
-    start = tl.load(q_indptr_ptr + guess)
-    end = tl.load(q_indptr_ptr + guess + 1)
-    seq_len = tl.load(seq_lens_ptr + guess)
+    req = tl.minimum(tok, num_req - 1)
+    return (req, tl.load(q_indptr_ptr + req), tl.load(q_indptr_ptr + req + 1),
+            tl.load(seq_lens_ptr + req))
+
+
+@triton.jit
+def find_requests(q_indptr_ptr, seq_lens_ptr, num_req, tok, live, req, start, end, seq_len,
+                  BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr):
+    """The request holding each token of ``tok`` (int32 ``[BLOCK_M]``; ``live``
+    masks the tokens that exist), from ``guess_request``'s ``(req, start, end, seq_len)``.
+
+    Returns int32 ``[BLOCK_M]`` vectors ``(req, start, end, seq_len)`` as
+    ``guess_request`` does; exact for a valid table (``q_indptr_valid``), unspecified
+    otherwise but for ``req``, which is always in ``[0, B)``.
+
+    Only when a live token of the tile falls outside its guess does the program scan
+    the table, taking the four values as masked sums over the one request whose range
+    holds the token.
+    """
     missed = tl.sum((live & ((tok < start) | (tok >= end))).to(tl.int32), axis=0)
     if missed > 0:
         req = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -164,16 +177,12 @@ def find_requests(q_indptr_ptr, seq_lens_ptr, num_req, tok, live, BLOCK_M: tl.co
 
 
 @triton.jit
-def find_request(q_indptr_ptr, seq_lens_ptr, num_req, tok, CHUNK_B: tl.constexpr,
-                 NUM_B_CHUNKS: tl.constexpr):
+def find_request(q_indptr_ptr, seq_lens_ptr, num_req, tok, req, start, end, seq_len,
+                 CHUNK_B: tl.constexpr, NUM_B_CHUNKS: tl.constexpr):
     """``find_requests`` for one token ``tok`` (a scalar): scalars ``(req, start, end,
-    seq_len)``.  The guess is request ``tok``; on a miss one scan of the table finds the
+    seq_len)`` from ``guess_request``'s.  On a miss one scan of the table finds the
     request, then its three values are loaded again, from an index kept in ``[0, B)``: the
     ranges of a malformed table may overlap, and their indices sum past the table."""
-    req = tl.minimum(tok, num_req - 1)
-    start = tl.load(q_indptr_ptr + req)
-    end = tl.load(q_indptr_ptr + req + 1)
-    seq_len = tl.load(seq_lens_ptr + req)
     if (tok < start) | (tok >= end):
         req = req * 0
         for c in range(NUM_B_CHUNKS):
@@ -219,6 +228,7 @@ def tile_program(pid, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, num
     slot = pid % NUM_SLOTS
     tok = (pid // NUM_SLOTS) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_batch = tok < num_tokens
+    req, start, end, seq_len = guess_request(q_indptr_ptr, seq_lens_ptr, num_req, tok)
     src = (qkv_ptr + tok.to(tl.int64)[:, None] * stride_qkv + slot * D
            + tl.arange(0, D // 2)[None, :])
     x_lo = tl.load(src, mask=in_batch[:, None], other=0.0)
@@ -226,7 +236,8 @@ def tile_program(pid, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, num
     valid = q_indptr_valid(q_indptr_ptr, num_req, num_tokens, max_req_len, CHUNK_B,
                            NUM_B_CHUNKS)
     req, start, end, seq_len = find_requests(q_indptr_ptr, seq_lens_ptr, num_req, tok,
-                                             in_batch, BLOCK_M, CHUNK_B, NUM_B_CHUNKS)
+                                             in_batch, req, start, end, seq_len, BLOCK_M,
+                                             CHUNK_B, NUM_B_CHUNKS)
     tok_ok = valid & in_batch & positions_in_range(end - start, seq_len, max_pos, max_pages,
                                                    PAGE_SIZE)
     # pos = r + seq_len - n with r = tok - start and n = end - start.
@@ -255,14 +266,15 @@ def token_program(pid, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, nu
     tok = pid // groups
     slot = (pid % groups) * BLOCK_S + tl.arange(0, BLOCK_S)
     slot_ok = slot < NUM_SLOTS
+    req, start, end, seq_len = guess_request(q_indptr_ptr, seq_lens_ptr, num_req, tok)
     src = (qkv_ptr + tok.to(tl.int64) * stride_qkv + slot[:, None] * D
            + tl.arange(0, D // 2)[None, :])
     x_lo = tl.load(src, mask=slot_ok[:, None], other=0.0)
     x_hi = tl.load(src + D // 2, mask=slot_ok[:, None], other=0.0)
     valid = q_indptr_valid(q_indptr_ptr, num_req, num_tokens, max_req_len, CHUNK_B,
                            NUM_B_CHUNKS)
-    req, start, end, seq_len = find_request(q_indptr_ptr, seq_lens_ptr, num_req, tok, CHUNK_B,
-                                            NUM_B_CHUNKS)
+    req, start, end, seq_len = find_request(q_indptr_ptr, seq_lens_ptr, num_req, tok, req,
+                                            start, end, seq_len, CHUNK_B, NUM_B_CHUNKS)
     tok_ok = valid & positions_in_range(end - start, seq_len, max_pos, max_pages, PAGE_SIZE)
     pos = tl.where(tok_ok, tok + seq_len - end, 0).to(tl.int64)
     page = tl.load(page_indices_ptr + req.to(tl.int64) * stride_pi + pos // PAGE_SIZE,
@@ -278,8 +290,13 @@ def rotated_slots(x_lo, x_hi, pos, tok_ok, cos_sin_ptr, stride_cs, BLOCK_S: tl.c
     column halves, unrounded.  No QK norm: token programs run only without one
     (``_config.append_token_programs``).  V rows come out rotated too; callers store
     their input instead."""
-    cos_lo, sin_lo, cos_hi, sin_hi = load_cos_sin_halves(cos_sin_ptr, pos[None], stride_cs,
-                                                         tok_ok[None], D, STYLE)
+    # The row once per slot row, a [BLOCK_S, D/2] tile in the rows' own layout (the copies
+    # come from L1).  Loaded once, as [1, D/2], it took a layout of its own that Triton then
+    # computed in, moving every input and output half through shared memory behind CTA
+    # barriers; on an H100 that cost decode calls 2-5 % (docs/results.md).
+    rows = tl.full([BLOCK_S], 0, tl.int64) + pos
+    cos_lo, sin_lo, cos_hi, sin_hi = load_cos_sin_halves(
+        cos_sin_ptr, rows, stride_cs, tl.full([BLOCK_S], 0, tl.int1) | tok_ok, D, STYLE)
     # Policy 0 reads no norm weights: any pointer stands in for them.
     return qk_norm_rope_halves(x_lo.to(tl.float32), x_hi.to(tl.float32), cos_sin_ptr, cos_lo,
                                sin_lo, cos_hi, sin_hi, 0.0, QK_NORM_NONE, BLOCK_S, D, STYLE)
@@ -487,10 +504,12 @@ def request_program(pid, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, k_cache_p
     c = pid % CLEAR_PROGRAMS
     # Every load the status needs first, together: a program that stops early has waited
     # for one round trip, and one that works for no more than before.
+    start = tl.load(q_indptr_ptr + b)
+    end = tl.load(q_indptr_ptr + b + 1)
+    seq_len = tl.load(seq_lens_ptr + b)
     valid = q_indptr_valid(q_indptr_ptr, num_req, num_tokens, max_req_len, CHUNK_B,
                            NUM_B_CHUNKS)
-    n = tl.load(q_indptr_ptr + b + 1) - tl.load(q_indptr_ptr + b)
-    seq_len = tl.load(seq_lens_ptr + b)
+    n = end - start
     tail_start, first_chunk, num_chunks = last_page_tail(seq_len, HKV, PAGE_SIZE, BLOCK_R)
     works = c == 0
     if CLEAR:

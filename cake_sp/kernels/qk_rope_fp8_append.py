@@ -107,6 +107,13 @@ def _qk_rope_fp8_append_kernel(
         for h in tl.static_range(HKV):  # one split_k_flag entry per (b, kv head)
             tl.store(split_k_flag_ptr + b * HKV + h, tl.where(valid, 0, -1), mask=c == 0)
     else:
+        # The per-tensor scales before the tile's loads (``paged_append.guess_request``):
+        # loaded beside their use, after the head's arithmetic, K's and Q's would wait for
+        # the RoPE rows, one round trip more.
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        if QUANT != _QUANT_DYNAMIC:
+            q_scale_inv = tl.load(q_scale_inv_ptr)
         slot, tok, req, r, tok_ok, pos, page, row, page_ok, x_lo, x_hi = tile_program(
             index, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr,
             num_tokens, num_req, max_req_len, max_pos, max_pages, num_pages, stride_qkv,
@@ -130,19 +137,18 @@ def _qk_rope_fp8_append_kernel(
                     _store_row_values(q_scale_ptr + s_off + slot * stride_sh, scale, tok_ok,
                                       INTERPRET)
                 else:
-                    q_scale_inv = tl.load(q_scale_inv_ptr)
                     q_lo = round_to_fp8e4m3(y_lo * q_scale_inv, INTERPRET)
                     q_hi = round_to_fp8e4m3(y_hi * q_scale_inv, INTERPRET)
                 store_token_rows(out_q_ptr, q_lo, q_hi, tok, slot, tok_ok, stride_qt, stride_qh, D)
             else:
-                inv_k_scale = reciprocal_rn(tl.load(k_scale_ptr))
+                inv_k_scale = reciprocal_rn(k_scale)
                 store_kv_rows(k_cache_ptr, out_k_ptr,
                               round_to_fp8e4m3(y_lo * inv_k_scale, INTERPRET),
                               round_to_fp8e4m3(y_hi * inv_k_scale, INTERPRET),
                               tok, slot - HQ, page, row, tok_ok, page_ok, stride_cp, stride_cr,
                               stride_ch, stride_kt, stride_kh, D, K_TO_CACHE)
         else:
-            inv_v_scale = reciprocal_rn(tl.load(v_scale_ptr))
+            inv_v_scale = reciprocal_rn(v_scale)
             store_kv_rows(v_cache_ptr, out_v_ptr,
                           round_to_fp8e4m3(x_lo.to(tl.float32) * inv_v_scale, INTERPRET),
                           round_to_fp8e4m3(x_hi.to(tl.float32) * inv_v_scale, INTERPRET),

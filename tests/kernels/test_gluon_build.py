@@ -28,6 +28,11 @@ SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one sm_90 CTA may take
 # holds.  A clear loop that divided a vector of pair indices with a loaded start took the FP8
 # kernel to 118 (from 72) and its 128-request decode 17-23 % slower on an H100.
 APPEND_MAX_REGISTERS = 80
+# A BF16 token program's rows stay in the layout they are loaded in: with its RoPE row loaded
+# once a token ([1, D/2]), Triton computed in that row's layout and moved each input and
+# output half through shared memory (2 KB, eight barriers), which also held the loads behind
+# it until the first landed.  Its cross-warp reductions take a few bytes.
+APPEND_TOKEN_MAX_SHARED_BYTES = 64
 
 BUILDS = {
     # The warp-specialised producer.  Both norm weights: the 256-row tile, bf16 hand-off;
@@ -94,18 +99,29 @@ BUILDS = {
 }
 
 
-@pytest.mark.parametrize("name", list(BUILDS))
-def test_builds_for_sm90_without_spills(name):
-    kernel, config, constants, *spill_budget = BUILDS[name]
+def _build(kernel: str, config: dict) -> dict:
+    """``_sm90_compile.py``'s report on one build, in a subprocess of its own."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, str(HELPER), kernel, json.dumps(config)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.splitlines()[-1])
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_builds_for_sm90_without_spills(name):
+    kernel, config, constants, *spill_budget = BUILDS[name]
+    report = _build(kernel, config)
     assert report["spill_bytes"] <= (spill_budget[0] if spill_budget else 0), report
     if kernel == "append":
         assert report["registers"] <= APPEND_MAX_REGISTERS, report
     assert 0 < report["shared_bytes"] <= SM90_SHARED_BYTES, report
     # The launcher built the variant the configuration is meant to cover.
     assert {k: report["constants"].get(k) for k in constants} == constants, report
+
+
+def test_append_token_programs_convert_no_rows():
+    report = _build("append", {"norm": 0})
+    assert report["constants"]["TOKEN_PROGRAMS"], report
+    assert report["shared_bytes"] <= APPEND_TOKEN_MAX_SHARED_BYTES, report
