@@ -146,7 +146,7 @@ def token_graph(h, fn, variant: tuple[bool, int, int] | None):
              _config.append_num_warps)
     if variant is not None:
         token, slots, warps = variant
-        _config.append_token_programs = lambda num_tokens, num_requests, policy: token
+        _config.append_token_programs = lambda num_tokens, num_requests: token
         _config.append_slots_per_token = lambda num_slots, head_dim: min(
             slots, triton.next_power_of_2(num_slots))
         if token:

@@ -282,15 +282,17 @@ def append_num_warps(num_tokens: int, num_slots: int) -> int:
     return 4 if num_tokens * num_slots <= APPEND_SMALL_BATCH_ROWS else 2
 
 
-def append_token_programs(num_tokens: int, num_requests: int, qk_norm_policy: int) -> bool:
+def append_token_programs(num_tokens: int, num_requests: int) -> bool:
     """Whether a BF16 append launch runs token programs (one token, ``append_slots_per_token``
-    head slots) instead of tiles of ``append_block_m`` tokens of one slot: decode batches
-    (no more tokens than requests, where a token's request is its own index) without QK
-    norm.  On an H200, over the decode rows of the FlashInfer comparison, token programs
-    took 0.92-0.97x the tiles' time on 7 of the 10 rows without norm (0.99-1.05x on the
-    other three), but 0.98-1.11x with RMSNorm before RoPE, and 1.05x (geometric mean) on
-    the FP8 kernel's rows, which keeps tiles (docs/results.md)."""
-    return num_tokens <= num_requests and qk_norm_policy == 0
+    head slots) instead of tiles of ``append_block_m`` tokens of one slot: decode batches (no
+    more tokens than requests, where a token's request is its own index), with and without QK
+    norm.  Without norm, on an H200, token programs took 0.92-0.97x the tiles' time on 7 of the
+    10 decode rows of the FlashInfer comparison (0.99-1.05x on the other three).  With RMSNorm
+    they lost (0.98-1.11x) while the token program's rows crossed shared memory; with the rows
+    kept in their load layout, on an H100 they took 0.95-1.01x the tiles' time on the 10 decode
+    rows with norm (geometric mean over all 36 rows 0.898 against 0.907 ours / FlashInfer;
+    docs/results.md).  The FP8 kernel runs tiles only (token programs took 1.05x there)."""
+    return num_tokens <= num_requests
 
 
 def append_slots_per_token(num_slots: int, head_dim: int) -> int:

@@ -201,28 +201,28 @@ def load_cos_sin_halves(cos_sin_ptr, rows, row_stride, mask, D: tl.constexpr,
 
 
 @triton.jit
-def rms_normalize_halves(lo, hi, w_ptr, eps, D: tl.constexpr):
-    """``rms_normalize(x) * w`` of a head given as its fp32 column halves."""
+def rms_normalize_halves(lo, hi, w_lo, w_hi, eps, D: tl.constexpr):
+    """``rms_normalize(x) * w`` of heads given as their fp32 column halves ``[rows, D/2]``;
+    ``w_lo``, ``w_hi``: the fp32 weights of the two halves, broadcastable to them."""
     inv = inv_rms(tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1), eps, D)[:, None]
-    half = tl.arange(0, D // 2)
-    return (lo * inv * tl.load(w_ptr + half).to(tl.float32)[None, :],
-            hi * inv * tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :])
+    return lo * inv * w_lo, hi * inv * w_hi
 
 
 @triton.jit
-def qk_norm_rope_halves(lo, hi, w_ptr, cos_lo, sin_lo, cos_hi, sin_hi, eps,
+def qk_norm_rope_halves(lo, hi, w_lo, w_hi, cos_lo, sin_lo, cos_hi, sin_hi, eps,
                         POLICY: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
                         STYLE: tl.constexpr):
     """``qk_norm_rope`` on a head given as its fp32 column halves ``lo``, ``hi``
-    (``[BLOCK_M, D/2]`` each) with ``load_cos_sin_halves``' tables; returns the two
-    halves of the result."""
+    (``[BLOCK_M, D/2]`` each) with ``load_cos_sin_halves``' tables and the norm weights'
+    halves ``w_lo``, ``w_hi`` (not read under policy 0); returns the two halves of the
+    result."""
     if POLICY == QK_NORM_BEFORE_ROPE:
-        lo, hi = rms_normalize_halves(lo, hi, w_ptr, eps, D)
+        lo, hi = rms_normalize_halves(lo, hi, w_lo, w_hi, eps, D)
     if STYLE == ROPE_NEOX:
         lo, hi = rotate_pairs(lo, hi, cos_lo, sin_lo)
     else:
         lo = rope_rotate(lo, cos_lo, sin_lo, BLOCK_M, D // 2, STYLE)
         hi = rope_rotate(hi, cos_hi, sin_hi, BLOCK_M, D // 2, STYLE)
     if POLICY == QK_NORM_AFTER_ROPE:
-        lo, hi = rms_normalize_halves(lo, hi, w_ptr, eps, D)
+        lo, hi = rms_normalize_halves(lo, hi, w_lo, w_hi, eps, D)
     return lo, hi

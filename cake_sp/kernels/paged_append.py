@@ -14,7 +14,7 @@ grid of two kinds of programs (``launch_plan`` sizes it from ``_config``'s table
   one of two shapes: ``BLOCK_M`` tokens of one slot (``tile_program``: the tokens are
   the rows of the tile), or one token and ``BLOCK_S`` consecutive slots
   (``token_program``: the slots are the rows, and the token's metadata are scalars),
-  which the BF16 kernel runs for decode batches without QK norm
+  which the BF16 kernel runs for decode batches
   (``_config.append_token_programs``).
 
 The smaller of the two groups comes first in the grid (``_config.append_tiles_first``),
@@ -284,22 +284,28 @@ def token_program(pid, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, nu
 
 
 @triton.jit
-def rotated_slots(x_lo, x_hi, pos, tok_ok, cos_sin_ptr, stride_cs, BLOCK_S: tl.constexpr,
-                  D: tl.constexpr, STYLE: tl.constexpr):
-    """RoPE row ``pos`` applied to every row of a token program (``token_program``): fp32
-    column halves, unrounded.  No QK norm: token programs run only without one
-    (``_config.append_token_programs``).  V rows come out rotated too; callers store
-    their input instead."""
-    # The row once per slot row, a [BLOCK_S, D/2] tile in the rows' own layout (the copies
-    # come from L1).  Loaded once, as [1, D/2], it took a layout of its own that Triton then
-    # computed in, moving every input and output half through shared memory behind CTA
-    # barriers; on an H100 that cost decode calls 2-5 % (docs/results.md).
+def normalized_rotated_slots(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr, stride_cs, q_norm_ptr,
+                             k_norm_ptr, eps, HQ: tl.constexpr, POLICY: tl.constexpr,
+                             BLOCK_S: tl.constexpr, D: tl.constexpr, STYLE: tl.constexpr):
+    """``qk_norm_rope`` of every row of a token program (``token_program``) with RoPE row
+    ``pos`` and each row's kind's norm weights (Q rows ``q_norm``, the others ``k_norm``):
+    fp32 column halves, unrounded.  V rows come out normalised and rotated too; callers
+    store their input instead."""
+    # The RoPE row once per slot row, a [BLOCK_S, D/2] tile in the rows' own layout (the
+    # copies come from L1).  Loaded once, as [1, D/2], it took a layout of its own that
+    # Triton then computed in, moving every input and output half through shared memory
+    # behind CTA barriers; on an H100 that cost decode calls 2-5 % (docs/results.md).
     rows = tl.full([BLOCK_S], 0, tl.int64) + pos
     cos_lo, sin_lo, cos_hi, sin_hi = load_cos_sin_halves(
         cos_sin_ptr, rows, stride_cs, tl.full([BLOCK_S], 0, tl.int1) | tok_ok, D, STYLE)
-    # Policy 0 reads no norm weights: any pointer stands in for them.
-    return qk_norm_rope_halves(x_lo.to(tl.float32), x_hi.to(tl.float32), cos_sin_ptr, cos_lo,
-                               sin_lo, cos_hi, sin_hi, 0.0, QK_NORM_NONE, BLOCK_S, D, STYLE)
+    w_lo = 1.0  # policy 0 reads no weights
+    w_hi = 1.0
+    if POLICY != QK_NORM_NONE:  # each row its kind's weights, a tile as the RoPE row's
+        w_ptr = tl.where(slot < HQ, q_norm_ptr, k_norm_ptr)[:, None] + tl.arange(0, D // 2)
+        w_lo = tl.load(w_ptr).to(tl.float32)
+        w_hi = tl.load(w_ptr + D // 2).to(tl.float32)
+    return qk_norm_rope_halves(x_lo.to(tl.float32), x_hi.to(tl.float32), w_lo, w_hi, cos_lo,
+                               sin_lo, cos_hi, sin_hi, eps, POLICY, BLOCK_S, D, STYLE)
 
 
 @triton.jit
@@ -346,11 +352,19 @@ def normalized_rotated_head(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr, stride_c
     weights."""
     cos_lo, sin_lo, cos_hi, sin_hi = load_cos_sin_halves(cos_sin_ptr, pos, stride_cs, tok_ok,
                                                          D, STYLE)
-    if slot < HQ:
-        w_ptr = q_norm_ptr
-    else:
-        w_ptr = k_norm_ptr
-    return qk_norm_rope_halves(x_lo.to(tl.float32), x_hi.to(tl.float32), w_ptr, cos_lo,
+    w_lo = 1.0  # policy 0 reads no weights
+    w_hi = 1.0
+    if POLICY != QK_NORM_NONE:
+        if slot < HQ:
+            w_ptr = q_norm_ptr
+        else:
+            w_ptr = k_norm_ptr
+        # Loaded as vectors ([D/2]), not [1, D/2] tiles: a tile took a layout of its own and
+        # the FP8 kernel's head through shared memory (116 registers from 69, sm_90a).
+        half = tl.arange(0, D // 2)
+        w_lo = tl.load(w_ptr + half).to(tl.float32)[None, :]
+        w_hi = tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
+    return qk_norm_rope_halves(x_lo.to(tl.float32), x_hi.to(tl.float32), w_lo, w_hi, cos_lo,
                                sin_lo, cos_hi, sin_hi, eps, POLICY, BLOCK_M, D, STYLE)
 
 

@@ -24,9 +24,9 @@ from cake_sp.kernels.paged_append import (
     describe,
     launch_plan,
     normalized_rotated_head,
+    normalized_rotated_slots,
     program_role,
     request_program,
-    rotated_slots,
     store_kv_rows,
     store_slot_rows,
     store_token_rows,
@@ -68,13 +68,13 @@ def _qk_rope_append_kernel(
                         D, PAGE_SIZE, CHUNK_B, NUM_B_CHUNKS, CHUNK_P, NUM_P_CHUNKS, BLOCK_R,
                         CLEAR_PROGRAMS, CLEAR, HAS_ERROR_FLAGS)
     elif TOKEN_PROGRAMS:
-        tl.static_assert(POLICY == 0, "token programs run without QK norm")
         slot, slot_ok, tok, tok_ok, pos, page, row, page_ok, x_lo, x_hi = token_program(
             index, qkv_ptr, q_indptr_ptr, seq_lens_ptr, page_indices_ptr, num_tokens, num_req,
             _NO_LIMIT, max_pos, max_pages, num_pages, stride_qkv, stride_pi, HQ + 2 * HKV, D,
             PAGE_SIZE, BLOCK_S, CHUNK_B, NUM_B_CHUNKS)
-        y_lo, y_hi = rotated_slots(x_lo, x_hi, pos, tok_ok, cos_sin_ptr, stride_cs, BLOCK_S, D,
-                                   STYLE)
+        y_lo, y_hi = normalized_rotated_slots(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr,
+                                              stride_cs, q_norm_ptr, k_norm_ptr, eps, HQ,
+                                              POLICY, BLOCK_S, D, STYLE)
         is_v = (slot >= HQ + HKV)[:, None]  # V rows keep their input bits
         store_slot_rows(out_q_ptr, k_cache_ptr if K_TO_CACHE else out_k_ptr,
                         v_cache_ptr if V_TO_CACHE else out_v_ptr,
@@ -289,8 +289,7 @@ def qk_rope_append_fwd(qkv, cos_sin, seq_lens, q_indptr, page_indices, key_cache
     head_dim = key_cache.shape[-1]
     plan = launch_plan(num_tokens, num_req, num_q_heads + 2 * num_kv_heads, num_kv_heads,
                        head_dim, page_size, page_indices.shape[1], clear,
-                       token_programs=_config.append_token_programs(num_tokens, num_req,
-                                                                     qk_norm_policy))
+                       token_programs=_config.append_token_programs(num_tokens, num_req))
     stride_cp, stride_cr, stride_ch = cache_strides(key_cache, kv_layout)
     # Absent optional tensors are never dereferenced (constexpr switches); any
     # valid pointer stands in for them.

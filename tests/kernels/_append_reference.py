@@ -30,10 +30,10 @@ TORCH_FORMATS = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 def force_programs(monkeypatch, programs: str) -> None:
     """Make every BF16 append launch of the test take ``programs``: ``"token"`` (one token, a
-    run of head slots a program; only without QK norm) or ``"tile"`` (tokens of one slot a
-    program), whatever the table would pick for the batch."""
+    run of head slots a program) or ``"tile"`` (tokens of one slot a program), whatever the
+    table would pick for the batch."""
     monkeypatch.setattr(_config, "append_token_programs",
-                        lambda num_tokens, num_requests, qk_norm_policy: programs == "token")
+                        lambda num_tokens, num_requests: programs == "token")
 
 
 # ----------------------------------------------------------------------------- inputs

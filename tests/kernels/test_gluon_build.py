@@ -28,6 +28,9 @@ SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one sm_90 CTA may take
 # holds.  A clear loop that divided a vector of pair indices with a loaded start took the FP8
 # kernel to 118 (from 72) and its 128-request decode 17-23 % slower on an H100.
 APPEND_MAX_REGISTERS = 80
+# BF16 token programs with QK norm hold each row's norm weights as a tile beside the RoPE
+# row's (120 at (64, 8), D = 128): up to 8 programs an SM, a wave of the decode grids measured.
+APPEND_TOKEN_NORM_MAX_REGISTERS = 128
 # A BF16 token program's rows stay in the layout they are loaded in: with its RoPE row loaded
 # once a token ([1, D/2]), Triton computed in that row's layout and moved each input and
 # output half through shared memory (2 KB, eight barriers), which also held the loads behind
@@ -82,11 +85,14 @@ BUILDS = {
     # The most query rows it serves at D 128 (decode_ws.MAX_ACC_VALUES).
     "fmha-decode-32-rows": ("fmha_decode", {"q_lens": [8, 8], "kv_lens": [8192, 8192]},
                             {"BLOCK_M": 32, "D": 128}),
-    # The BF16 append: decode with QK norm on pages of 256 (many clear programs a request,
-    # most stopping early), decode without norm (token programs), no clear.
+    # The BF16 append: decode (token programs) with QK norm on pages of 256 (many clear
+    # programs a request, most stopping early), decode without norm, a prefill with norm
+    # (tiles of tokens), no clear.
     "append-bf16-page256": ("append", {"page_size": 256}, {"PAGE_SIZE": 256,
-                                                           "CLEAR_PROGRAMS": 32}),
+                                                           "CLEAR_PROGRAMS": 32,
+                                                           "TOKEN_PROGRAMS": True}),
     "append-bf16-token-programs": ("append", {"norm": 0}, {"TOKEN_PROGRAMS": True}),
+    "append-bf16-prefill": ("append", {"new": 128, "batch": 1}, {"TOKEN_PROGRAMS": False}),
     "append-bf16-no-clear": ("append", {"clear": False}, {"CLEAR": False,
                                                          "CLEAR_PROGRAMS": 1}),
     # The FP8 append: 128 decode requests (64, 8) on pages of 16 (one clear program a
@@ -115,7 +121,10 @@ def test_builds_for_sm90_without_spills(name):
     report = _build(kernel, config)
     assert report["spill_bytes"] <= (spill_budget[0] if spill_budget else 0), report
     if kernel == "append":
-        assert report["registers"] <= APPEND_MAX_REGISTERS, report
+        c = report["constants"]
+        assert report["registers"] <= (APPEND_TOKEN_NORM_MAX_REGISTERS
+                                       if c.get("TOKEN_PROGRAMS") and c.get("POLICY")
+                                       else APPEND_MAX_REGISTERS), report
     assert 0 < report["shared_bytes"] <= SM90_SHARED_BYTES, report
     # The launcher built the variant the configuration is meant to cover.
     assert {k: report["constants"].get(k) for k in constants} == constants, report

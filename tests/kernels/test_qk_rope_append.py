@@ -125,37 +125,39 @@ def test_prefill_ragged_cross_page(device, heads, policy, rope_style, kv_layout,
 
 
 @pytest.mark.parametrize("programs", ["token", "tile"])
-@pytest.mark.parametrize("mode,heads,rope_style,kv_layout,redirect", [
-    ("decode", (8, 1), "neox", "NHD", (False, False)),
-    ("decode", (4, 2), "interleaved", "HND", (True, False)),
-    ("prefill", (2, 2), "neox", "NHD", (False, True)),
-    ("prefill", (8, 1), "interleaved", "HND", (False, False)),
+@pytest.mark.parametrize("mode,heads,policy,rope_style,kv_layout,redirect", [
+    ("decode", (8, 1), 0, "neox", "NHD", (False, False)),
+    ("decode", (4, 2), 2, "interleaved", "HND", (True, False)),
+    ("decode", (12, 3), 1, "neox", "NHD", (False, False)),
+    ("prefill", (2, 2), 1, "neox", "NHD", (False, True)),
+    ("prefill", (8, 1), 0, "interleaved", "HND", (False, False)),
 ])
-def test_both_program_shapes(device, monkeypatch, programs, mode, heads, rope_style, kv_layout,
-                             redirect):
-    """Token programs and tiles of tokens, each forced on decode and prefill batches (without
-    QK norm: token programs have none), every head kind, both layouts and the caller's
-    out_k / out_v: the same bytes."""
+def test_both_program_shapes(device, monkeypatch, programs, mode, heads, policy, rope_style,
+                             kv_layout, redirect):
+    """Token programs and tiles of tokens, each forced on decode and prefill batches, with
+    and without QK norm (a token program's rows mix Q, K and V heads, each with its kind's
+    weights; GQA 12/3 runs 16 and 2 slots a token), every head kind, both layouts and the
+    caller's out_k / out_v: the same bytes."""
     force_programs(monkeypatch, programs)
     case = Case(**(DECODE if mode == "decode" else PREFILL), page_size=16,
                 num_q_heads=heads[0], num_kv_heads=heads[1])
-    run_case(device, case, policy=0, rope_style=rope_style, kv_layout=kv_layout,
+    run_case(device, case, policy=policy, rope_style=rope_style, kv_layout=kv_layout,
              redirect=redirect)
 
 
-def test_decode_with_norm_takes_tiles(device, monkeypatch):
-    """Token programs run only without QK norm: a decode batch with RMSNorm takes tiles."""
+def test_decode_batches_take_token_programs(device, monkeypatch):
+    """Decode batches run token programs with and without QK norm."""
     rule, seen = _config.append_token_programs, []
 
-    def recorded_rule(num_tokens, num_requests, qk_norm_policy):
-        seen.append(rule(num_tokens, num_requests, qk_norm_policy))
+    def recorded_rule(num_tokens, num_requests):
+        seen.append(rule(num_tokens, num_requests))
         return seen[-1]
 
     monkeypatch.setattr(_config, "append_token_programs", recorded_rule)
     case = Case(**DECODE, page_size=16, num_q_heads=8, num_kv_heads=1)
     for policy in (2, 0):
         run_case(device, case, policy=policy)
-    assert seen == [False, True]
+    assert seen == [True, True]
 
 
 def test_token_programs_scan_on_a_miss(device):
@@ -342,7 +344,9 @@ def test_gpu_real_shapes(device, heads, mode, page_size, policy, rope_style, rec
 @pytest.mark.parametrize("programs", ["token", "tile"])
 @pytest.mark.parametrize("heads", [(8, 1), (64, 8), (32, 8), (4, 4)])
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_gpu_both_program_shapes(device, monkeypatch, programs, heads, mode, record_property):
+@pytest.mark.parametrize("policy", [0, 2])
+def test_gpu_both_program_shapes(device, monkeypatch, programs, heads, mode, policy,
+                                 record_property):
     """The real shapes of ``test_gpu_real_shapes`` (page 64) with each program shape forced
     on both kinds of batch: token programs on prefill too, tiles of tokens on decode too."""
     force_programs(monkeypatch, programs)
@@ -350,7 +354,7 @@ def test_gpu_both_program_shapes(device, monkeypatch, programs, heads, mode, rec
     new = [1] * b if mode == "decode" else [300, 0, 129, 1]
     case = Case(new=new, prefix=[(97 * i) % 700 for i in range(b)], page_size=64,
                 num_q_heads=heads[0], num_kv_heads=heads[1])
-    run_case(device, case, policy=0, kv_layout="HND", record=record_property)
+    run_case(device, case, policy=policy, kv_layout="HND", record=record_property)
 
 
 @pytest.mark.gpu

@@ -50,7 +50,7 @@ def test_clear_programs(page_size, num_kv_heads, num_req, clear, programs, token
 def test_the_smaller_group_of_programs_goes_first(num_tokens, num_req, page_size, tiles_first):
     plan = launch_plan(num_tokens=num_tokens, num_req=num_req, num_slots=10, num_kv_heads=1,
                        head_dim=128, page_size=page_size, max_pages=70, clear=True,
-                       token_programs=_config.append_token_programs(num_tokens, num_req, 0))
+                       token_programs=_config.append_token_programs(num_tokens, num_req))
     assert plan["TILES_FIRST"] is tiles_first
 
 
@@ -69,16 +69,14 @@ def test_scan_chunks_fit_the_tables():
     assert (plan["CHUNK_P"], plan["NUM_P_CHUNKS"]) == (64, 5)
 
 
-@pytest.mark.parametrize("num_tokens,num_req,policy,token_programs", [
-    (32, 32, 0, True),     # decode without QK norm: one token a request
-    (30, 32, 0, True),     # no more tokens than requests (some append nothing)
-    (32, 32, 2, False),    # decode with RMSNorm: tiles of tokens
-    (32, 32, 1, False),
-    (33, 32, 0, False),    # one request appends two
-    (1024, 1, 0, False),   # prefill
+@pytest.mark.parametrize("num_tokens,num_req,token_programs", [
+    (32, 32, True),      # decode: one token a request, with or without QK norm
+    (30, 32, True),      # no more tokens than requests (some append nothing)
+    (33, 32, False),     # one request appends two
+    (1024, 1, False),    # prefill
 ])
-def test_token_programs_for_decode_batches(num_tokens, num_req, policy, token_programs):
-    assert _config.append_token_programs(num_tokens, num_req, policy) is token_programs
+def test_token_programs_for_decode_batches(num_tokens, num_req, token_programs):
+    assert _config.append_token_programs(num_tokens, num_req) is token_programs
     plan = launch_plan(num_tokens=num_tokens, num_req=num_req, num_slots=10, num_kv_heads=1,
                        head_dim=128, page_size=16, max_pages=70, clear=True,
                        token_programs=token_programs)
