@@ -294,7 +294,8 @@ def normalized_rotated_slots(x_lo, x_hi, slot, pos, tok_ok, cos_sin_ptr, stride_
     # The RoPE row once per slot row, a [BLOCK_S, D/2] tile in the rows' own layout (the
     # copies come from L1).  Loaded once, as [1, D/2], it took a layout of its own that
     # Triton then computed in, moving every input and output half through shared memory
-    # behind CTA barriers; on an H100 that cost decode calls 2-5 % (docs/results.md).
+    # behind CTA barriers, which also held the second row load behind the first (with the
+    # load order of ``guess_request``, 2-6 % of an H100 decode call; docs/results.md).
     rows = tl.full([BLOCK_S], 0, tl.int64) + pos
     cos_lo, sin_lo, cos_hi, sin_hi = load_cos_sin_halves(
         cos_sin_ptr, rows, stride_cs, tl.full([BLOCK_S], 0, tl.int1) | tok_ok, D, STYLE)
