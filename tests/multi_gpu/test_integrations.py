@@ -12,6 +12,7 @@ kernels with ``cuda`` or ``cuda-shared``.
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import pytest
@@ -29,9 +30,17 @@ pytestmark = pytest.mark.multi_gpu
 WORLDS = [int(w) for w in os.environ.get("CAKE_SP_TEST_INTEGRATION_WORLDS", "2,4").split(",")]
 NOISE_FACTOR = 1.5
 TRAIN_STEPS = 20
-# Training diverges slowly by chance in both runs: the loss curves may differ by at most
-# this many times the bf16 run's distance from the float32 run, step by step.
+# Training diverges by chance in both runs: per seed of the token ids, the loss curve's largest
+# distance from the reference's is taken over the bf16 reference's largest distance from the
+# float32 run; the geometric mean of that ratio over TRAIN_SEEDS may be at most
+# TRAIN_NOISE_FACTOR.  One seed's ratio is heavy-tailed: at W = 4 it spanned 0.09-2.88 over 7
+# seeds on an H100 and 0.55-2.37 over 11 on the CPU's plain-PyTorch path (docs/results.md),
+# both curves spiking at the same few steps, so one seed alone sat at 96 % of the bound.
 TRAIN_NOISE_FACTOR = 3.0
+TRAIN_SEEDS = (3, 4, 5)
+# The first seed also trains with activation checkpointing, which recomputes the same
+# forward: its curve must stay within this fraction of the bf16 noise of the run without it.
+CHECKPOINTED_FACTOR = 0.1
 # The whole FLUX transformer's attention output projections are scaled up by this: at
 # random initialisation attention is too small a part of the output for its errors to show.
 ATTENTION_GAIN = 8.0
@@ -370,40 +379,46 @@ def _train(ctx, model, ids, targets, steps, *, sequence_parallel, checkpointing=
 
 def case_qwen3_training_parity(ctx):
     """20 AdamW steps (fp32 master weights, bf16 autocast) of the sequence-parallel model
-    against the same model on the full sequence, with and without activation checkpointing."""
+    against the same model on the full sequence, for each of ``TRAIN_SEEDS`` (the token ids);
+    on the first, with activation checkpointing too."""
     from cake_sp.integrations import close
     from cake_sp.integrations.transformers import apply_ulysses
 
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 256, (2, 16 * ctx.world_size + 1), generator=g).to(ctx.device)
-    ids, targets = ids[:, :-1], ids[:, 1:]
     report = {}
-    for name, ckpt in (("ours", False), ("ours_checkpointed", True)):
-        model = apply_ulysses(_model("qwen3").to(ctx.device))
-        report[name] = _train(ctx, model, ids, targets, TRAIN_STEPS, sequence_parallel=True,
-                              checkpointing=ckpt)
-        close(model)
-    if ctx.rank == 0:  # the single-process runs: the reference, and the noise scale (fp32)
-        report["reference"] = _train(ctx, _model("qwen3").to(ctx.device), ids, targets, TRAIN_STEPS,
-                                     sequence_parallel=False)
-        model = _model("qwen3").to(ctx.device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-        report["fp32"] = []
-        for _ in range(TRAIN_STEPS):
-            loss = F.cross_entropy(model(ids, use_cache=False).logits.flatten(0, 1),
-                                   targets.flatten())
-            loss.backward()
-            report["fp32"].append(float(loss))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    for seed in TRAIN_SEEDS:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 256, (2, 16 * ctx.world_size + 1), generator=g).to(ctx.device)
+        ids, targets = ids[:, :-1], ids[:, 1:]
+        runs = report[str(seed)] = {}  # string keys: the reports travel as JSON
+        modes = (("ours", False), ("ours_checkpointed", True))
+        for name, ckpt in modes if seed == TRAIN_SEEDS[0] else modes[:1]:
+            model = apply_ulysses(_model("qwen3").to(ctx.device))
+            runs[name] = _train(ctx, model, ids, targets, TRAIN_STEPS, sequence_parallel=True,
+                                checkpointing=ckpt)
+            close(model)
+        if ctx.rank == 0:  # the single-process runs: the reference, and the noise scale (fp32)
+            runs["reference"] = _train(ctx, _model("qwen3").to(ctx.device), ids, targets,
+                                       TRAIN_STEPS, sequence_parallel=False)
+            model = _model("qwen3").to(ctx.device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+            runs["fp32"] = []
+            for _ in range(TRAIN_STEPS):
+                loss = F.cross_entropy(model(ids, use_cache=False).logits.flatten(0, 1),
+                                       targets.flatten())
+                loss.backward()
+                runs["fp32"].append(float(loss))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
     return report
 
 
 OUTPUT_CASES = [case_qwen3_logits, case_qwen2_logits, case_llama_logits,
                 case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
                 case_flux_transformer]
-CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise,
-         case_qwen3_training_parity]
+CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
+# Run in ranks of their own: beside the other cases, three seeds of training took a W = 4 run
+# on two CPU cores to 509 s of the 600 s a test may take.
+TRAINING_CASES = [case_qwen3_training_parity]
 
 
 
@@ -437,28 +452,38 @@ def _check_flux_bad_inputs(world, name, per_rank) -> str:
     return "whole-sequence table, missing text tokens and a model without FLUX blocks raised"
 
 
+def _curve_distance(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
 def _check_training(world, name, per_rank) -> str:
     assert_no_rank_failed(world, per_rank, name)
-    r = per_rank[0]
-    assert all(p["ours"] == r["ours"] for p in per_rank), "ranks disagree on the global loss"
-    noise = max(abs(a - b) for a, b in zip(r["reference"], r["fp32"]))
-    for run in ("ours", "ours_checkpointed"):
-        losses = r[run]
-        assert all(torch.isfinite(torch.tensor(losses))), f"{run}: {losses}"
-        gap = max(abs(a - b) for a, b in zip(losses, r["reference"]))
-        assert gap <= TRAIN_NOISE_FACTOR * noise, (
-            f"W={world} {run}: loss curve {gap:.3g} from the reference, bf16 noise {noise:.3g}")
-    assert r["ours"][-1] < r["ours"][0], "the loss did not decrease"
-    return (f"losses {r['ours'][0]:.4f} -> {r['ours'][-1]:.4f}, max gap "
-            f"{max(abs(a - b) for a, b in zip(r['ours'], r['reference'])):.2e} "
-            f"(bf16 vs fp32: {noise:.2e})")
+    report = per_rank[0]
+    ratios = []
+    for seed, r in report.items():
+        assert all(p[seed]["ours"] == r["ours"] for p in per_rank), (
+            f"seed {seed}: ranks disagree on the global loss")
+        noise = _curve_distance(r["reference"], r["fp32"])
+        assert all(torch.isfinite(torch.tensor(r["ours"]))), f"seed {seed}: {r['ours']}"
+        assert r["ours"][-1] < r["ours"][0], f"seed {seed}: the loss did not decrease"
+        ratios.append(_curve_distance(r["ours"], r["reference"]) / noise)
+        if "ours_checkpointed" in r:
+            recomputed = _curve_distance(r["ours_checkpointed"], r["ours"])
+            assert recomputed <= CHECKPOINTED_FACTOR * noise, (
+                f"W={world} seed {seed}: with activation checkpointing the loss curve is "
+                f"{recomputed:.3g} from the run without it, bf16 noise {noise:.3g}")
+    mean = math.exp(sum(math.log(v) for v in ratios) / len(ratios))
+    assert mean <= TRAIN_NOISE_FACTOR, (
+        f"W={world}: loss curves {', '.join(f'{v:.2f}' for v in ratios)} times the bf16 noise "
+        f"from the reference (seeds {', '.join(report)}), geometric mean {mean:.2f}")
+    return "loss-curve gap over bf16 noise, per seed: " + ", ".join(f"{v:.2f}" for v in ratios)
 
 
 CHECKS = {**{c.__name__: _check_outputs for c in OUTPUT_CASES},
           case_flux_bad_inputs_raise.__name__: _check_flux_bad_inputs,
           case_unsupported_inputs_raise.__name__: _check_unsupported,
           case_qwen3_training_parity.__name__: _check_training}
-assert set(CHECKS) == {c.__name__ for c in CASES}
+assert set(CHECKS) == {c.__name__ for c in CASES + TRAINING_CASES}
 
 
 def integration_verdict(world: int, name: str, per_rank: list[dict]) -> str:
@@ -474,8 +499,19 @@ def reports(request):
     return request.param, run_cases(request.param, CASES, integration_verdict)
 
 
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
+def training_reports(request):
+    return request.param, run_cases(request.param, TRAINING_CASES, integration_verdict)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
 def test_integration(reports, case):
     world, by_case = reports
     name = case.__name__
+    print(f"W={world} {name}: {CHECKS[name](world, name, by_case[name])}")
+
+
+def test_training_parity(training_reports):
+    world, by_case = training_reports
+    name = case_qwen3_training_parity.__name__
     print(f"W={world} {name}: {CHECKS[name](world, name, by_case[name])}")
