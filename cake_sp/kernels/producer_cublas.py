@@ -58,6 +58,10 @@ def _deliver_projection_kernel(p_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, cos_sin_
                                   Q_PER_RANK, KV_PER_RANK, TOTAL_HEADS)
     offs_m = row_block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, D)
+    # The epilogue loads the RoPE rows after the norm has waited for this tile.  Loading them
+    # here, beside the tile, saves that round trip but took 106 registers instead of 80 (two
+    # programs an SM instead of three): on an H100 it was 2-3 % slower at hidden 3072 and
+    # within 2 % elsewhere (docs/results.md, 2026-12-06).
     acc = tl.load(p_ptr + offs_m[:, None] * (TOTAL_HEADS * D) + head * D + cols[None, :],
                   mask=(offs_m < rows)[:, None], other=0.0)
     if SIGNAL:
