@@ -371,7 +371,7 @@ def _train(ctx, model, ids, targets, steps, *, sequence_parallel, checkpointing=
                 dist.all_reduce(p.grad)
             loss_sum = loss_sum.detach().clone()
             dist.all_reduce(loss_sum)
-        losses.append(float(loss_sum) / targets.numel())
+        losses.append(loss_sum.item() / targets.numel())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return losses
