@@ -352,8 +352,10 @@ def case_unsupported_inputs_raise(ctx):
     return report
 
 
-def _train(ctx, model, ids, targets, steps, *, sequence_parallel, checkpointing=False):
-    """Per-step loss (mean cross-entropy over every token of the global batch)."""
+def _train(ctx, model, ids, targets, steps, *, sequence_parallel, checkpointing=False,
+           autocast=True):
+    """Per-step loss (mean cross-entropy over every token of the global batch); under bf16
+    autocast unless ``autocast`` is off (the float32 run)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -361,7 +363,7 @@ def _train(ctx, model, ids, targets, steps, *, sequence_parallel, checkpointing=
     shard, positions = _shard(ctx, ids) if sequence_parallel else (slice(None), None)
     losses = []
     for _ in range(steps):
-        with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = model(ids[:, shard], position_ids=positions, use_cache=False).logits
         loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets[:, shard].flatten(),
                                    reduction="sum")
@@ -397,18 +399,9 @@ def case_qwen3_training_parity(ctx):
                 checkpointing=ckpt)
             close(model)
         if ctx.rank == 0:  # the single-process runs: the reference, and the noise scale (fp32)
-            runs["reference"] = _train(ctx, _model("qwen3").to(ctx.device), ids, targets,
-                                       TRAIN_STEPS, sequence_parallel=False)
-            model = _model("qwen3").to(ctx.device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-            runs["fp32"] = []
-            for _ in range(TRAIN_STEPS):
-                loss = F.cross_entropy(model(ids, use_cache=False).logits.flatten(0, 1),
-                                       targets.flatten())
-                loss.backward()
-                runs["fp32"].append(float(loss))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            for name, autocast in (("reference", True), ("fp32", False)):
+                runs[name] = _train(ctx, _model("qwen3").to(ctx.device), ids, targets,
+                                    TRAIN_STEPS, sequence_parallel=False, autocast=autocast)
     return report
 
 
