@@ -12,12 +12,20 @@ passed to the backend as is, never by materialising repeated K/V.  Backends:
   compute capability 8.0 or newer, else SDPA.
 
 Both are differentiable through their own autograd.
+
+Packed sequences.  ``cu_seqlens`` (flash-attn's name) lists where the sequences packed
+along the tokens start: offsets into the ``B * S`` tokens taken row by row, from 0 to
+``B * S``, every row's start ``b * S`` among them.  A token attends only within its own
+sequence (causally if ``causal``).  flash-attn runs them in one varlen call; SDPA runs one
+call per sequence, so many short sequences cost a launch each.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import operator
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -58,14 +66,70 @@ def resolve_attention_backend(requested: str, device: torch.device) -> tuple[str
     return "sdpa", f"auto: {problem}"
 
 
+def check_cu_seqlens(cu_seqlens: Sequence[int] | Tensor, *, batch: int,
+                     seq: int) -> tuple[int, ...]:
+    """``cu_seqlens`` as host ints, or ``ValueError`` naming what is wrong: ``[N + 1]`` strictly
+    increasing offsets from 0 to ``batch * seq`` that include every row start ``b * seq`` (a
+    sequence never spans two rows).  A tensor is read to the host (a sync if on a GPU)."""
+    if isinstance(cu_seqlens, Tensor):
+        if cu_seqlens.ndim != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor or a sequence of "
+                             f"ints, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+        cu_seqlens = cu_seqlens.tolist()
+    try:
+        bounds = tuple(operator.index(b) for b in cu_seqlens)
+    except TypeError:
+        raise ValueError(f"cu_seqlens must hold ints, got {cu_seqlens!r}") from None
+    total = batch * seq
+    if (len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total
+            or any(a >= b for a, b in zip(bounds, bounds[1:]))):
+        raise ValueError(f"cu_seqlens must be strictly increasing ints from 0 to B * S = "
+                         f"{batch} * {seq} = {total} (S the whole sequence), got "
+                         f"{_shorten(bounds)}")
+    missing = sorted(set(range(seq, total, seq)) - set(bounds))
+    if missing:
+        raise ValueError(f"cu_seqlens must include every batch row's start b * S (S = {seq}): "
+                         f"a packed sequence cannot span two rows; {missing[0]} is missing")
+    return bounds
+
+
+def _shorten(bounds: tuple) -> str:
+    return str(list(bounds)) if len(bounds) <= 8 else f"[{bounds[0]}, ..., {bounds[-1]}] " \
+        f"({len(bounds)} entries)"
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float | None,
-              backend: str) -> Tensor:
+              backend: str, cu_seqlens: tuple[int, ...] | None = None) -> Tensor:
     """``o [B, S, Hq, D]`` from ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` (a resolved
-    ``backend``)."""
+    ``backend``); with ``cu_seqlens`` (checked by ``check_cu_seqlens``) each packed sequence
+    attends only to itself."""
+    if cu_seqlens is not None:
+        return _packed_attention(q, k, v, causal, softmax_scale, backend, cu_seqlens)
     if backend == "flash":
         from flash_attn import flash_attn_func
         return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    return _sdpa(q, k, v, causal, softmax_scale)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None) -> Tensor:
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
         scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2)
+
+
+def _packed_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                      softmax_scale: float | None, backend: str,
+                      cu_seqlens: tuple[int, ...]) -> Tensor:
+    batch, seq = q.shape[:2]
+    tokens = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
+    if backend == "flash":
+        from flash_attn import flash_attn_varlen_func
+        bounds = torch.tensor(cu_seqlens, dtype=torch.int32).to(q.device, non_blocking=True)
+        longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+        o = flash_attn_varlen_func(*tokens, bounds, bounds, longest, longest,
+                                   softmax_scale=softmax_scale, causal=causal)
+    else:
+        o = torch.cat([_sdpa(*(t[None, a:b] for t in tokens), causal, softmax_scale)[0]
+                       for a, b in zip(cu_seqlens, cu_seqlens[1:])])
+    return o.view(batch, seq, *o.shape[1:])

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from cake_sp.attention import attention, resolve_attention_backend
+from cake_sp.attention import attention, check_cu_seqlens, resolve_attention_backend
 from cake_sp.layouts import GATHER_TOKENS, SCATTER_HEADS, BandTransfer
 from cake_sp.session import ops
 from cake_sp.session.autograd import OutputProjectionFunction
@@ -190,6 +191,11 @@ class UlyssesAttention(nn.Module):
                 nn.init.ones_(norm)
 
     @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The sequence-parallel group (None once closed)."""
+        return self._group
+
+    @property
     def backend(self) -> str:
         return self.session.backend
 
@@ -197,12 +203,18 @@ class UlyssesAttention(nn.Module):
     def backend_reason(self) -> str:
         return self.session.backend_reason
 
-    def forward(self, x: Tensor, rope_cos_sin: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, rope_cos_sin: Tensor, positions: Tensor | None = None,
+                cu_seqlens: Sequence[int] | Tensor | None = None) -> Tensor:
         """``y [B, S_local, hidden]`` bf16 (``[B, S_local, Hq * D]`` without o_proj).
 
         x : bf16 ``[B, S_local, hidden]``, this rank's tokens (fp32 is cast to bf16).
         rope_cos_sin : fp32 ``[B * S_local, D]`` per token (cos of the D/2 frequencies,
             then sin), or ``[max_pos, D]`` indexed by ``positions [B, S_local]``.
+        cu_seqlens : optional, the same on every rank: sequences packed along the whole
+            sequence (``S = W * S_local`` tokens per row, rank ``r``'s at ``[r * S_local,
+            (r + 1) * S_local)``), as ``[N + 1]`` offsets into the ``B * S`` tokens taken row
+            by row (see ``cake_sp.attention``).  Each attends only within itself.  Checked on
+            the host before any exchange (a GPU tensor is read back: one sync).
 
         Every rank of the group calls, in the same order.  Without grad the result of
         the no-o_proj layer is a view of a receive slot (valid ``num_slots - 1`` further
@@ -213,11 +225,15 @@ class UlyssesAttention(nn.Module):
         (``session/ops.py``), so the layer compiles into the model's graph (and its
         backward into the compiled backward) with no graph break.
 
-        The same as ``back_end(attend(*front_end(x, rope_cos_sin, positions)))``: a module
-        that attends over more than one layer's tokens (FLUX's dual-stream blocks) calls
-        the three steps itself.
+        The same as ``back_end(attend(*front_end(x, rope_cos_sin, positions), cu_seqlens))``:
+        a module that attends over more than one layer's tokens (FLUX's dual-stream blocks)
+        calls the three steps itself.
         """
-        return self.back_end(self.attend(*self.front_end(x, rope_cos_sin, positions)))
+        if cu_seqlens is not None:
+            cu_seqlens = check_cu_seqlens(cu_seqlens, batch=x.shape[0],
+                                          seq=self.session.world_size * x.shape[1])
+        return self.back_end(self.attend(*self.front_end(x, rope_cos_sin, positions),
+                                         cu_seqlens=cu_seqlens))
 
     def front_end(self, x: Tensor, rope_cos_sin: Tensor,
                   positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -236,12 +252,16 @@ class UlyssesAttention(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             return self.session(x, qkv_weight, q_norm, k_norm, rope_cos_sin, positions, qkv_bias)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, *,
+               cu_seqlens: Sequence[int] | Tensor | None = None) -> Tensor:
         """``o [B, S, Hq / W, D]``: the layer's attention (its mask, scale and backend) over
-        ``front_end``'s bands, or over several layers' bands joined along the sequence."""
+        ``front_end``'s bands, or over several layers' bands joined along the sequence;
+        ``cu_seqlens`` as in ``forward``, over this ``S``."""
+        if cu_seqlens is not None:
+            cu_seqlens = check_cu_seqlens(cu_seqlens, batch=q.shape[0], seq=q.shape[1])
         with torch.autocast(q.device.type, enabled=False):
             return attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
-                             backend=self.attention_backend)
+                             backend=self.attention_backend, cu_seqlens=cu_seqlens)
 
     def back_end(self, o: Tensor) -> Tensor:
         """``forward``'s result from ``o [B, S, Hq / W, D]`` (``attend``'s layout, this layer's

@@ -184,6 +184,7 @@ def ulysses_attention_layer(
     causal: bool = True,
     eps: float = 1e-6,
     softmax_scale: float | None = None,
+    cu_seqlens: Sequence[int] | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> list[Tensor]:
     """The whole layer on the full sequence, in ``dtype`` with no intermediate rounding:
@@ -192,7 +193,9 @@ def ulysses_attention_layer(
 
     xs[r]: rank r's ``[B, S_local, hidden]``; the full sequence is their concatenation
     along tokens.  ``rope_cos_sin[r]``: rank r's per-token table ``[B * S_local, D]``, or
-    a ``[max_pos, D]`` table indexed by ``positions[r] [B, S_local]``.  Differentiable:
+    a ``[max_pos, D]`` table indexed by ``positions[r] [B, S_local]``.  ``cu_seqlens``:
+    sequences packed along the ``B * S`` tokens (row by row); a token then attends only to
+    tokens of its own sequence.  Differentiable:
     with inputs that require grad, autograd of this function is the gradient reference.
     Returns per rank ``y [B, S_local, hidden]`` (``[B, S_local, Hq * D]`` without ``o_weight``).
     """
@@ -223,10 +226,16 @@ def ulysses_attention_layer(
     k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    s = scores.shape[-1]
+    hidden = torch.zeros(batch, 1, s, s, dtype=torch.bool, device=scores.device)
     if causal:
-        s = scores.shape[-1]
-        future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
+        hidden |= torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+    if cu_seqlens is not None:
+        lengths = torch.tensor(cu_seqlens).diff()
+        sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        sequence = sequence.view(batch, 1, s).to(scores.device)
+        hidden |= sequence[..., :, None] != sequence[..., None, :]
+    scores = scores.masked_fill(hidden, float("-inf"))
     o = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v).flatten(2)
     y = o if o_weight is None else o @ cast(o_weight).T
     if o_bias is not None:

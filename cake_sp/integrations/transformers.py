@@ -13,10 +13,16 @@ the model on its shard of the tokens with the matching global positions::
     logits = model(input_ids[:, rank * s:(rank + 1) * s],
                    position_ids=torch.arange(rank * s, (rank + 1) * s)[None]).logits
 
-Causal attention without padding only: an attention mask (padding, packed
-sequences, sliding windows) or a KV cache raises ``ValueError`` naming what is
-supported; ``apply_ulysses`` turns ``use_cache`` off and has the model build its
-masks as for SDPA, which gives None for plain causal attention.
+Packed sequences (several documents in one row, as transformers'
+``DataCollatorWithFlattening`` makes them) are read from ``position_ids`` the way
+transformers reads them: a token whose position is not its predecessor's plus one starts
+a new sequence.  Each rank passes its shard of the packed position ids; the layers learn
+where every rank's sequences start from one small all-gather per model forward and attend
+within each sequence only (``UlyssesAttention``'s ``cu_seqlens``).
+
+Causal attention without padding only: a padding mask, a sliding window or a KV cache
+raises ``ValueError`` naming what is supported.  ``apply_ulysses`` turns ``use_cache`` off
+and has the model build its masks as for flash-attn: None unless there is padding.
 """
 
 from __future__ import annotations
@@ -24,14 +30,19 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from cake_sp.integrations import LastInputs
 from cake_sp.layer import UlyssesAttention
 
 SUPPORTED = ("Qwen3Attention", "Qwen2Attention", "LlamaAttention")
-# One table per model forward, shared by the layers (they get the same position embeddings).
+# The name apply_ulysses gives the model's attention implementation (config._attn_implementation).
+ATTENTION_IMPLEMENTATION = "cake_sp_ulysses"
+# One table and one packing per model forward, shared by the layers (they get the same
+# position embeddings and position ids).
 _ROPE_TABLE = LastInputs()
+_PACKING = LastInputs()
 
 
 def _attention_classes() -> tuple[type, ...]:
@@ -90,12 +101,17 @@ class TransformersUlyssesAttention(nn.Module):
         if attention_mask is not None:
             raise ValueError(
                 f"layer {self.layer_idx}: cake_sp's Ulysses attention supports causal attention "
-                f"without a mask only, got an attention_mask of shape "
-                f"{tuple(attention_mask.shape)} (padding or packed sequences); pass "
-                "attention_mask=None and contiguous global position_ids")
+                f"without padding only, got an attention_mask of shape "
+                f"{tuple(attention_mask.shape)}; pass attention_mask=None (packed sequences are "
+                "read from position_ids)")
         cos, sin = position_embeddings
         half = self.head_dim // 2
         batch, seq_local = hidden_states.shape[:2]
+        position_ids = kwargs.get("position_ids")
+        group = self.layer.group
+        cu_seqlens = None if position_ids is None else _PACKING.get(
+            (position_ids,), (batch, seq_local, group),
+            lambda: packed_cu_seqlens(position_ids.expand(batch, -1), group))
 
         def table():
             # transformers repeats each frequency in both halves (rotate_half): keep one of each.
@@ -103,7 +119,34 @@ class TransformersUlyssesAttention(nn.Module):
             return rope.expand(batch, seq_local, -1).reshape(batch * seq_local, -1)
 
         rope = _ROPE_TABLE.get((cos, sin), (half, batch, seq_local), table)
-        return self.layer(hidden_states, rope), None
+        return self.layer(hidden_states, rope, cu_seqlens=cu_seqlens), None
+
+
+def packed_cu_seqlens(position_ids: Tensor, group: dist.ProcessGroup) -> tuple[int, ...] | None:
+    """The ``cu_seqlens`` of the sequences packed in the whole sequence, from every rank's
+    shard of its position ids (``[B, S_local]``, rank ``r``'s tokens at ``[r * S_local,
+    (r + 1) * S_local)``), or None when each row holds one sequence.  A token whose position
+    is not its predecessor's plus one starts a sequence (transformers'
+    ``find_packed_sequence_indices``).  Collective: each rank sends its shard's first and
+    last positions and where its sequences start (one ``all_gather_object``)."""
+    batch, seq_local = position_ids.shape
+    starts = (position_ids.diff(dim=-1) != 1).nonzero().tolist()
+    local = {"first": position_ids[:, 0].tolist(), "last": position_ids[:, -1].tolist(),
+             "starts": [[] for _ in range(batch)]}
+    for b, i in starts:
+        local["starts"][b].append(i + 1)
+    shards: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shards, local, group=group)
+    seq = seq_local * len(shards)
+    bounds = [0]
+    for b in range(batch):
+        for r, shard in enumerate(shards):
+            if r and shard["first"][b] != shards[r - 1]["last"][b] + 1:
+                bounds.append(b * seq + r * seq_local)
+            bounds.extend(b * seq + r * seq_local + i for i in shard["starts"][b])
+        bounds.append((b + 1) * seq)
+    # Only the rows' own bounds (0, S, ..., B * S): one sequence per row.
+    return tuple(bounds) if len(bounds) > batch + 1 else None
 
 
 def apply_ulysses(model: nn.Module, group=None, **layer_options) -> nn.Module:
@@ -113,12 +156,14 @@ def apply_ulysses(model: nn.Module, group=None, **layer_options) -> nn.Module:
     ``ceil(max_position_embeddings / W)``; ``backend``, ``attention_backend``, ...).
     Raises ``ValueError`` naming the supported classes if the model has none of them.
     """
-    import torch.distributed as dist
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import flash_attention_mask
 
     from cake_sp.session.overlap import resolve_group
 
     classes = _attention_classes()
-    world = dist.get_world_size(resolve_group(group))
+    group = resolve_group(group)
+    world = dist.get_world_size(group)
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
     if not targets:
         kinds = sorted({type(m).__name__ for m in model.modules() if "Attention" in
@@ -133,7 +178,15 @@ def apply_ulysses(model: nn.Module, group=None, **layer_options) -> nn.Module:
     config = getattr(model, "config", None)
     if config is not None:
         config.use_cache = False
-        # The masks are now built only to be checked: SDPA's rules give None for plain
-        # causal attention, a tensor for padding or packing (which forward refuses).
-        config._attn_implementation = "sdpa"
+        # The masks are now built only to be checked: flash-attn's rule gives None unless
+        # there is padding (which forward refuses); packing is read from the position ids.
+        AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, flash_attention_mask)
+        AttentionInterface.register(ATTENTION_IMPLEMENTATION, _not_replaced)
+        config._attn_implementation = ATTENTION_IMPLEMENTATION
     return model
+
+
+def _not_replaced(module: nn.Module, *args, **kwargs):
+    raise TypeError(f"{type(module).__name__} was not replaced by cake_sp's apply_ulysses "
+                    f"(it replaces {', '.join(SUPPORTED)}); the model's attention "
+                    f"implementation is {ATTENTION_IMPLEMENTATION!r}")

@@ -58,12 +58,12 @@ def _load(layer: UlyssesAttention, params: dict) -> None:
                 getattr(layer, name).copy_(value)
 
 
-def _run(ctx, layer, problem, *, grad=True):
+def _run(ctx, layer, problem, *, grad=True, cu_seqlens=None):
     """This rank's ``(y, x.grad, {name: param grad summed over the group})``."""
     r, dev = ctx.rank, ctx.device
     x = problem.xs[r].to(dev).requires_grad_(grad)
     positions = None if problem.positions is None else problem.positions[r].to(dev)
-    y = layer(x, problem.tables[r].to(dev), positions)
+    y = layer(x, problem.tables[r].to(dev), positions, cu_seqlens=cu_seqlens)
     if not grad:
         return y, None, {}
     y.backward(problem.dys[r].to(dev))
@@ -89,23 +89,24 @@ def _errors(ctx, y, dx, grads, want_y, want_grads) -> dict:
 
 def _check_layer(ctx, kind, *, batch=2, seq_local=13, rope_style="neox", causal=True,
                  qkv_bias=True, o_bias=True, qk_norm=True, o_proj=True, positions=False,
-                 seed=0, **session_options):
+                 seed=0, cu_seqlens=None, **session_options):
     hq, hkv = _heads(ctx.world_size, kind)
     options = dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, o_proj=o_proj)
     problem = make_layer_problem(seed, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
                                  num_kv_heads=hkv, head_dim=HEAD_DIM, batch=batch,
                                  seq_local=seq_local, positions=positions, **options)
     want_y, want_grads = reference_layer(problem, num_q_heads=hq, num_kv_heads=hkv,
-                                         rope_style=rope_style, causal=causal)
+                                         rope_style=rope_style, causal=causal,
+                                         cu_seqlens=cu_seqlens)
     with _build(ctx, hq, hkv, rope_style=rope_style, causal=causal, **options,
                 **session_options) as layer:
         _load(layer, problem.params)
-        y, dx, grads = _run(ctx, layer, problem)
+        y, dx, grads = _run(ctx, layer, problem, cu_seqlens=cu_seqlens)
         report = {"backend": layer.backend, "reason": layer.backend_reason,
                   "errors": _errors(ctx, y, dx, grads, want_y, want_grads)}
         # Forward only, under no_grad: the same y, and no autograd state.
         with torch.no_grad():
-            y_eval, _, _ = _run(ctx, layer, problem, grad=False)
+            y_eval, _, _ = _run(ctx, layer, problem, grad=False, cu_seqlens=cu_seqlens)
         report["no_grad_equal"] = bool(torch.equal(y_eval, y.detach()))
         report["no_grad_graph"] = y_eval.grad_fn is not None
     return report
@@ -132,6 +133,14 @@ def case_cublas_engine_saved_projection(ctx):
 def case_cublas_engine_recomputed_positions(ctx):
     return _check_layer(ctx, "gqa_replicate", engine="cublas", positions=True, batch=1,
                         seq_local=11, rope_style="interleaved", seed=4)
+
+
+def case_packed_sequences(ctx):
+    """Sequences packed along both rows: one ends exactly at rank 0's last token, one inside
+    rank 0's shard, one of a single token, one across every rank boundary of row 1."""
+    seq_local, seq = 13, 13 * ctx.world_size
+    cu_seqlens = (0, 5, seq_local, seq_local + 1, seq, 2 * seq - 3, 2 * seq)
+    return _check_layer(ctx, "gqa_split", seq_local=seq_local, seed=6, cu_seqlens=cu_seqlens)
 
 
 def case_no_o_proj_flux_like(ctx):
@@ -426,6 +435,14 @@ def case_bad_arguments_raise_everywhere(ctx):
             lambda: layer(torch.zeros(1, 33, HIDDEN, dtype=torch.bfloat16, device=ctx.device),
                           torch.zeros(33, HEAD_DIM, device=ctx.device)),
             ValueError, "max_tokens=32")
+        x = torch.randn(2, 4, HIDDEN, device=ctx.device).bfloat16()
+        rope = torch.zeros(8, HEAD_DIM, device=ctx.device)
+        s = 4 * w
+        report["cu_seqlens_end"] = expect_error(lambda: layer(x, rope, cu_seqlens=[0, s]),
+                                                ValueError, f"from 0 to B * S = 2 * {s}")
+        report["cu_seqlens_rows"] = expect_error(
+            lambda: layer(x, rope, cu_seqlens=[0, 3, 2 * s]), ValueError,
+            f"every batch row's start b * S (S = {s})")
         report["repr"] = repr(layer)
     return report
 
@@ -524,11 +541,12 @@ def case_gpu_graph_capture_and_back_to_back(ctx):
 CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no_bias,
          case_gqa_replicate_tails_no_norm, case_no_o_proj_flux_like,
          case_cublas_engine_saved_projection, case_cublas_engine_recomputed_positions,
+         case_packed_sequences,
          case_slot_leases_under_autograd, case_torch_compile_fullgraph,
          case_checkpoint_and_inference,
          case_bad_arguments_raise_everywhere, case_fsdp2_on_a_2d_mesh, case_gpu_real_shape,
          case_gpu_graph_capture_and_back_to_back]
-REFERENCE_CASES = CASES[:6] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
+REFERENCE_CASES = CASES[:7] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
 GPU_CASES = {case_gpu_real_shape.__name__, case_gpu_graph_capture_and_back_to_back.__name__}
 
 

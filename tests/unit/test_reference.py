@@ -144,3 +144,30 @@ def test_layer_reference_gradients_pass_gradcheck(rope_style, causal):
             causal=causal))
 
     assert torch.autograd.gradcheck(layer, (*xs, *params))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_layer_reference_packed_sequences_are_independent(causal):
+    """With ``cu_seqlens`` the reference is the layer run on each packed sequence alone: a
+    sequence across the rank boundary, one inside a rank, one of a single token, two rows."""
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, hidden, world, seq_local, batch = 4, 2, 8, 16, 2, 5, 2
+    seq = world * seq_local
+    w_qkv = torch.randn((hq + 2 * hkv) * d, hidden, generator=g, dtype=torch.float64)
+    w_o = torch.randn(hidden, hq * d, generator=g, dtype=torch.float64)
+    xs = [torch.randn(batch, seq_local, hidden, generator=g, dtype=torch.float64)
+          for _ in range(world)]
+    table = torch.randn(batch * seq, d, generator=g).view(batch, seq, d)
+    tables = [table[:, r * seq_local:(r + 1) * seq_local].flatten(0, 1) for r in range(world)]
+    options = dict(num_q_heads=hq, num_kv_heads=hkv, causal=causal)
+    cu_seqlens = (0, 3, 8, 9, seq, 2 * seq)
+    packed = torch.cat(reference.ulysses_attention_layer(
+        xs, w_qkv, w_o, tables, cu_seqlens=cu_seqlens, **options), dim=1).flatten(0, 1)
+    x, rope = torch.cat(xs, dim=1).flatten(0, 1), table.flatten(0, 1)
+    for a, b in zip(cu_seqlens, cu_seqlens[1:]):
+        alone = reference.ulysses_attention_layer([x[None, a:b]], w_qkv, w_o, [rope[a:b]],
+                                                  **options)[0][0]
+        torch.testing.assert_close(packed[a:b], alone, rtol=1e-12, atol=1e-12)
+    whole = torch.cat(reference.ulysses_attention_layer(xs, w_qkv, w_o, tables, **options),
+                      dim=1).flatten(0, 1)
+    assert not torch.allclose(packed[3:8], whole[3:8])  # the mask changed something

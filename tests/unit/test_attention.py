@@ -1,0 +1,54 @@
+"""The attention core's packed sequences (``cu_seqlens``) on the CPU: the argument's checks,
+and the per-sequence SDPA path against one dense SDPA call with the block-diagonal mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cake_sp.attention import attention, check_cu_seqlens
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_attention_matches_a_block_diagonal_mask(causal):
+    g = torch.Generator().manual_seed(0)
+    batch, seq, hq, hkv, d = 2, 11, 4, 2, 8
+    q, k, v = (torch.randn(batch, seq, h, d, generator=g, dtype=torch.float64)
+               for h in (hq, hkv, hkv))
+    cu_seqlens = (0, 4, 5, seq, seq + 7, 2 * seq)
+    got = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa",
+                    cu_seqlens=cu_seqlens)
+    sequence = torch.repeat_interleave(torch.arange(5), torch.tensor(cu_seqlens).diff())
+    sequence = sequence.view(batch, 1, seq)
+    allowed = sequence[..., :, None] == sequence[..., None, :]
+    if causal:
+        allowed &= torch.ones(seq, seq, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2),
+        v.repeat_interleave(2, 2).transpose(1, 2), attn_mask=allowed, scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    plain = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa")
+    assert not torch.allclose(got[:, 4:], plain[:, 4:])
+
+
+def test_cu_seqlens_accepts_tensors_and_int_sequences():
+    want = (0, 3, 4, 8)
+    assert check_cu_seqlens(torch.tensor(want, dtype=torch.int32), batch=2, seq=4) == want
+    assert check_cu_seqlens([torch.tensor(0), 3, 4, 8], batch=2, seq=4) == want
+
+
+@pytest.mark.parametrize("cu_seqlens,message", [
+    (torch.tensor([0.0, 8.0]), "1-D int32/int64 tensor"),
+    (torch.tensor([[0, 8]]), "1-D int32/int64 tensor"),
+    ([0, 2.5, 8], "must hold ints"),
+    ([0, 4, 9], "from 0 to B * S = 2 * 4 = 8"),
+    ([1, 4, 8], "from 0 to B * S = 2 * 4 = 8"),
+    ([0, 4, 4, 8], "strictly increasing"),
+    ([8], "strictly increasing"),
+    ([0, 3, 8], "b * S (S = 4): a packed sequence cannot span two rows; 4 is missing"),
+])
+def test_cu_seqlens_errors_name_the_argument(cu_seqlens, message):
+    with pytest.raises(ValueError, match="cu_seqlens") as info:
+        check_cu_seqlens(cu_seqlens, batch=2, seq=4)
+    assert message in str(info.value)
