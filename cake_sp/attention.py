@@ -16,8 +16,10 @@ Both are differentiable through their own autograd.
 Packed sequences.  ``cu_seqlens`` (flash-attn's name) lists where the sequences packed
 along the tokens start: offsets into the ``B * S`` tokens taken row by row, from 0 to
 ``B * S``, every row's start ``b * S`` among them.  A token attends only within its own
-sequence (causally if ``causal``).  flash-attn runs them in one varlen call; SDPA runs one
-call per sequence, so many short sequences cost a launch each.
+sequence (causally if ``causal``).  flash-attn runs them in one varlen call; the SDPA
+backend, on a GPU, in one call of PyTorch's ``flex_attention`` (compiled once per process
+and shape) with a block mask of the sequences (built once per distinct ``cu_seqlens``), and on
+the CPU in one SDPA call per sequence.  Rows of one sequence each take the unpacked path.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: f
     """``o [B, S, Hq, D]`` from ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` (a resolved
     ``backend``); with ``cu_seqlens`` (checked by ``check_cu_seqlens``) each packed sequence
     attends only to itself."""
-    if cu_seqlens is not None:
+    batch, seq = q.shape[:2]
+    if cu_seqlens is not None and cu_seqlens != tuple(range(0, batch * seq + 1, seq)):
         return _packed_attention(q, k, v, causal, softmax_scale, backend, cu_seqlens)
     if backend == "flash":
         from flash_attn import flash_attn_func
@@ -122,14 +125,52 @@ def _packed_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool,
                       softmax_scale: float | None, backend: str,
                       cu_seqlens: tuple[int, ...]) -> Tensor:
     batch, seq = q.shape[:2]
-    tokens = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
     if backend == "flash":
         from flash_attn import flash_attn_varlen_func
+        tokens = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
         bounds = torch.tensor(cu_seqlens, dtype=torch.int32).to(q.device, non_blocking=True)
         longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
         o = flash_attn_varlen_func(*tokens, bounds, bounds, longest, longest,
                                    softmax_scale=softmax_scale, causal=causal)
-    else:
-        o = torch.cat([_sdpa(*(t[None, a:b] for t in tokens), causal, softmax_scale)[0]
-                       for a, b in zip(cu_seqlens, cu_seqlens[1:])])
+        return o.view(batch, seq, *o.shape[1:])
+    if q.device.type == "cuda":
+        return _flex_attention(q, k, v, causal, softmax_scale, cu_seqlens)
+    # The CPU (tests): one SDPA call per sequence.
+    tokens = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
+    o = torch.cat([_sdpa(*(t[None, a:b] for t in tokens), causal, softmax_scale)[0]
+                   for a, b in zip(cu_seqlens, cu_seqlens[1:])])
     return o.view(batch, seq, *o.shape[1:])
+
+
+def _flex_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None,
+                    cu_seqlens: tuple[int, ...]) -> Tensor:
+    batch, seq = q.shape[:2]
+    block_mask = _document_mask(cu_seqlens, batch, seq, causal, q.device)
+    o = _compiled("flex_attention")(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+        scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)
+
+
+@functools.cache
+def _compiled(name: str):
+    """``flex_attention`` or ``create_block_mask``, compiled once per process (PyTorch's advice:
+    eager flex attention materialises the scores, eager block masks the whole ``S x S`` mask)."""
+    from torch.nn.attention import flex_attention
+    return torch.compile(getattr(flex_attention, name), dynamic=False)
+
+
+@functools.lru_cache(maxsize=4)
+def _document_mask(cu_seqlens: tuple[int, ...], batch: int, seq: int, causal: bool,
+                   device: torch.device):
+    """flex attention's ``BlockMask`` of packed sequences (causal within each if ``causal``),
+    built once per distinct ``cu_seqlens``: every layer of a model forward shares it."""
+    lengths = torch.tensor(cu_seqlens).diff()
+    sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    sequence = sequence.view(batch, seq).to(device)
+
+    def same_sequence(b, h, q_idx, kv_idx):
+        keep = sequence[b, q_idx] == sequence[b, kv_idx]
+        return keep & (q_idx >= kv_idx) if causal else keep
+
+    return _compiled("create_block_mask")(same_sequence, batch, None, seq, seq, device=device)

@@ -3,6 +3,8 @@ and the per-sequence SDPA path against one dense SDPA call with the block-diagon
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,3 +54,26 @@ def test_cu_seqlens_errors_name_the_argument(cu_seqlens, message):
     with pytest.raises(ValueError, match="cu_seqlens") as info:
         check_cu_seqlens(cu_seqlens, batch=2, seq=4)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_gpu_path_block_mask_keeps_each_sequence_apart(causal, monkeypatch):
+    """The GPU's packed path (flex attention over the sequences' block mask), run eagerly on
+    the CPU, against the per-sequence path: rows of 300 tokens (not whole 128-token blocks),
+    a sequence of one token, sequences that share a block."""
+    from torch.nn.attention import flex_attention
+
+    import cake_sp.attention as core
+
+    monkeypatch.setattr(core, "_compiled", lambda name: getattr(flex_attention, name))
+    g = torch.Generator().manual_seed(2)
+    batch, seq = 2, 300
+    q = torch.randn(batch, seq, 4, 16, generator=g)
+    k, v = (torch.randn(batch, seq, 2, 16, generator=g) for _ in range(2))
+    cu_seqlens = (0, 100, 129, 130, seq, seq + 200, 2 * seq)
+    with warnings.catch_warnings():  # flex attention's note (once) that eager is unfused
+        warnings.simplefilter("ignore", UserWarning)
+        got = core._flex_attention(q, k, v, causal, 0.3, cu_seqlens)
+    want = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa",
+                     cu_seqlens=cu_seqlens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

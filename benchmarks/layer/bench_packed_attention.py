@@ -1,0 +1,157 @@
+"""The layer's attention core on packed sequences (``cu_seqlens``), on one GPU, beside what
+transformers' SDPA path does with packed sequences and one SDPA call per sequence.
+
+    python benchmarks/layer/bench_packed_attention.py [--rows all|smoke] [--json out.json]
+
+One rank's head band after the exchange: ``q [1, S, 8, 128]``, ``k, v [1, S, 2, 128]`` bf16
+(GQA 32/8 at W = 4), causal, the ``S`` tokens split into ``N`` documents.  Arms:
+
+* ``cake_sp``: ``cake_sp.attention.attention(..., backend="sdpa", cu_seqlens=...)``, what
+  ``UlyssesAttention`` runs without flash-attn: compiled ``flex_attention`` with the
+  documents' block mask (built by the first call, then cached, as in a model's layers);
+* ``dense_mask``: K/V repeated to every Q head, then SDPA with the ``[S, S]`` boolean
+  block-diagonal causal mask: what transformers' SDPA attention runs on packed sequences;
+* ``per_sequence``: one causal SDPA call per document (cake_sp's CPU path);
+* ``unpacked``: one causal SDPA over the whole row, documents ignored (not the same math:
+  the cost packing would have without a mask, for scale).
+
+The packed arms are first checked against ``dense_mask`` (relative error).  A sample is one
+call (forward, or forward + backward of ``sum(o * do)``) timed by CUDA events; a row's time
+is the median over ``A B C C B A`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from cake_sp.attention import attention
+
+HQ, HKV, HEAD_DIM = 8, 2, 128
+ROWS = {
+    # (S, document lengths: "equal N" or "random N")
+    "all": [(s, kind, n) for s in (8192, 32768) for kind, n in
+            (("equal", 1), ("equal", 8), ("random", 64), ("equal", 512))],
+    "smoke": [(2048, "equal", 4)],
+}
+
+
+def _lengths(seq: int, kind: str, n: int, g: torch.Generator) -> list[int]:
+    if kind == "equal":
+        return [seq // n] * n
+    cuts = torch.randperm(seq - 1, generator=g)[:n - 1].add(1).sort().values.tolist()
+    return [b - a for a, b in zip([0, *cuts], [*cuts, seq])]
+
+
+def _time_ms(fn, rounds: int) -> list[float]:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(rounds):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
+
+
+def bench_row(seq: int, kind: str, n: int, rounds: int) -> dict:
+    g = torch.Generator().manual_seed(seq + n)
+    lengths = _lengths(seq, kind, n, g)
+    cu_seqlens = tuple(torch.tensor([0, *lengths]).cumsum(0).tolist())
+    q, k, v = (torch.randn(1, seq, h, HEAD_DIM, generator=g).cuda().bfloat16().requires_grad_()
+               for h in (HQ, HKV, HKV))
+    do = torch.randn(1, seq, HQ, HEAD_DIM, generator=g).cuda().bfloat16()
+    document = torch.repeat_interleave(torch.arange(n), torch.tensor(lengths)).cuda()
+    allowed = ((document[:, None] == document[None, :])
+               & torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril())
+
+    def run(arm: str) -> torch.Tensor:
+        if arm == "cake_sp":
+            return attention(q, k, v, causal=True, softmax_scale=None, backend="sdpa",
+                             cu_seqlens=cu_seqlens)
+        if arm == "dense_mask":  # as transformers: K/V repeated, then SDPA with the mask
+            k_rep, v_rep = (t.repeat_interleave(HQ // HKV, dim=2).transpose(1, 2) for t in (k, v))
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k_rep, v_rep,
+                                               attn_mask=allowed)
+            return o.transpose(1, 2)
+        if arm == "per_sequence":
+            return torch.cat([attention(q[:, a:b], k[:, a:b], v[:, a:b], causal=True,
+                                        softmax_scale=None, backend="sdpa")
+                              for a, b in zip(cu_seqlens, cu_seqlens[1:])], dim=1)
+        return attention(q, k, v, causal=True, softmax_scale=None, backend="sdpa")
+
+    row = {"seq": seq, "documents": f"{kind} {n}"}
+    with torch.no_grad():
+        want = run("dense_mask").float()
+        for arm in ("cake_sp", "per_sequence"):
+            error = float((run(arm).float() - want).norm() / want.norm())
+            if error > 2e-2:  # two bf16 kernels of the same math differ by ~1e-3
+                raise AssertionError(f"S={seq} {kind} {n}: {arm} and dense_mask differ by "
+                                     f"{error:.3g}")
+            row[f"{arm}_rel_error"] = error
+    arms = ("cake_sp", "dense_mask", "per_sequence", "unpacked")
+    for mode in ("fwd", "fwdbwd"):
+        def call(arm, mode=mode):
+            if mode == "fwd":
+                with torch.no_grad():
+                    run(arm)
+            else:
+                torch.autograd.backward(run(arm), do)
+        for arm in arms:  # warm-up (compiles flex's forward and backward)
+            for _ in range(3):
+                call(arm)
+        samples = {arm: [] for arm in arms}
+        for _ in range(rounds):
+            for arm in (*arms, *reversed(arms)):
+                samples[arm] += _time_ms(lambda arm=arm: call(arm), 1)
+        for arm in arms:
+            row[f"{mode}_{arm}_ms"] = statistics.median(samples[arm])
+        for arm in ("dense_mask", "per_sequence"):
+            row[f"{mode}_cake_sp_over_{arm}"] = row[f"{mode}_cake_sp_ms"] / row[f"{mode}_{arm}_ms"]
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    arms = ("cake_sp", "dense_mask", "per_sequence", "unpacked")
+    header = ["S", "documents"]
+    for mode in ("fwd", "fwd+bwd"):
+        header += [f"{mode} {arm} ms" for arm in arms]
+        header += [f"{mode} cake_sp / dense_mask", f"{mode} cake_sp / per_sequence"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        cells = [str(r["seq"]), r["documents"]]
+        for mode in ("fwd", "fwdbwd"):
+            cells += [f"{r[f'{mode}_{arm}_ms']:.3f}" for arm in arms]
+            cells += [f"{r[f'{mode}_cake_sp_over_{arm}']:.2f}"
+                      for arm in ("dense_mask", "per_sequence")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    torch._dynamo.config.cache_size_limit = 64  # flex compiles again for each row's shape
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", choices=sorted(ROWS), default="all")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_packed_attention needs a CUDA GPU")
+    rows = []
+    for seq, kind, n in ROWS[args.rows]:
+        rows.append(bench_row(seq, kind, n, args.rounds))
+        print(rows[-1], flush=True)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

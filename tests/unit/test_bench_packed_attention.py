@@ -1,0 +1,32 @@
+"""The packed-attention benchmark's host side: document lengths and the table."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "layer"))
+
+torch = pytest.importorskip("torch")
+import bench_packed_attention as bench  # noqa: E402
+
+
+@pytest.mark.parametrize("kind,n", [("equal", 8), ("random", 64), ("equal", 1)])
+def test_document_lengths_cover_the_row(kind, n):
+    lengths = bench._lengths(8192, kind, n, torch.Generator().manual_seed(0))
+    assert len(lengths) == n and sum(lengths) == 8192 and min(lengths) >= 1
+
+
+def test_markdown_has_one_line_per_row_and_every_column():
+    row = {"seq": 8192, "documents": "equal 8"}
+    for mode in ("fwd", "fwdbwd"):
+        for i, arm in enumerate(("cake_sp", "dense_mask", "per_sequence", "unpacked")):
+            row[f"{mode}_{arm}_ms"] = 1.0 + i
+        row[f"{mode}_cake_sp_over_dense_mask"] = 0.5
+        row[f"{mode}_cake_sp_over_per_sequence"] = 0.33
+    lines = bench.markdown([row]).splitlines()
+    assert len(lines) == 3
+    assert lines[2].count("|") == lines[0].count("|") == 15
+    assert "| 8192 | equal 8 | 1.000 | 2.000 | 3.000 | 4.000 | 0.50 | 0.33 |" in lines[2]
