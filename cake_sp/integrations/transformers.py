@@ -16,13 +16,16 @@ the model on its shard of the tokens with the matching global positions::
 Packed sequences (several documents in one row, as transformers'
 ``DataCollatorWithFlattening`` makes them) are read from ``position_ids`` the way
 transformers reads them: a token whose position is not its predecessor's plus one starts
-a new sequence.  Each rank passes its shard of the packed position ids; the layers learn
-where every rank's sequences start from one small all-gather per model forward and attend
-within each sequence only (``UlyssesAttention``'s ``cu_seqlens``).
+a new sequence.  Padding is read from the 2-D ``attention_mask`` (each rank passes its
+shard, like ``input_ids``): a run of padding is a sequence of its own, so real tokens never
+attend to it, left or right.  The layers learn where every rank's sequences start from one
+small all-gather per model forward and attend within each sequence only
+(``UlyssesAttention``'s ``cu_seqlens``); padded tokens' outputs are not meaningful, as in
+transformers.
 
-Causal attention without padding only: a padding mask, a sliding window or a KV cache
-raises ``ValueError`` naming what is supported.  ``apply_ulysses`` turns ``use_cache`` off
-and has the model build its masks as for flash-attn: None unless there is padding.
+Causal attention only: a 4-D mask, a sliding window or a KV cache raises ``ValueError``
+naming what is supported.  ``apply_ulysses`` turns ``use_cache`` off and has the model
+build its masks as for flash-attn: the 2-D mask where there is padding, else None.
 """
 
 from __future__ import annotations
@@ -98,20 +101,20 @@ class TransformersUlyssesAttention(nn.Module):
             raise ValueError(f"layer {self.layer_idx}: a KV cache ({type(cache).__name__}) is not "
                              "supported by cake_sp's Ulysses attention yet; call the model with "
                              "use_cache=False")
-        if attention_mask is not None:
+        batch, seq_local = hidden_states.shape[:2]
+        if attention_mask is not None and tuple(attention_mask.shape) != (batch, seq_local):
             raise ValueError(
-                f"layer {self.layer_idx}: cake_sp's Ulysses attention supports causal attention "
-                f"without padding only, got an attention_mask of shape "
-                f"{tuple(attention_mask.shape)}; pass attention_mask=None (packed sequences are "
-                "read from position_ids)")
+                f"layer {self.layer_idx}: cake_sp's Ulysses attention takes a 2-D padding mask "
+                f"[B, S_local] = [{batch}, {seq_local}] of this rank's tokens, got an "
+                f"attention_mask of shape {tuple(attention_mask.shape)}")
         cos, sin = position_embeddings
         half = self.head_dim // 2
-        batch, seq_local = hidden_states.shape[:2]
         position_ids = kwargs.get("position_ids")
+        tensors = [t for t in (position_ids, attention_mask) if t is not None]
         group = self.layer.group
-        cu_seqlens = None if position_ids is None else _PACKING.get(
-            (position_ids,), (batch, seq_local, group),
-            lambda: packed_cu_seqlens(position_ids.expand(batch, -1), group))
+        cu_seqlens = _PACKING.get(tensors, (batch, seq_local, group, attention_mask is None),
+                                  lambda: sequence_bounds(position_ids, attention_mask, batch,
+                                                          seq_local, group))
 
         def table():
             # transformers repeats each frequency in both halves (rotate_half): keep one of each.
@@ -122,18 +125,27 @@ class TransformersUlyssesAttention(nn.Module):
         return self.layer(hidden_states, rope, cu_seqlens=cu_seqlens), None
 
 
-def packed_cu_seqlens(position_ids: Tensor, group: dist.ProcessGroup) -> tuple[int, ...] | None:
-    """The ``cu_seqlens`` of the sequences packed in the whole sequence, from every rank's
-    shard of its position ids (``[B, S_local]``, rank ``r``'s tokens at ``[r * S_local,
-    (r + 1) * S_local)``), or None when each row holds one sequence.  A token whose position
-    is not its predecessor's plus one starts a sequence (transformers'
-    ``find_packed_sequence_indices``).  Collective: each rank sends its shard's first and
-    last positions and where its sequences start (one ``all_gather_object``)."""
-    batch, seq_local = position_ids.shape
-    starts = (position_ids.diff(dim=-1) != 1).nonzero().tolist()
-    local = {"first": position_ids[:, 0].tolist(), "last": position_ids[:, -1].tolist(),
-             "starts": [[] for _ in range(batch)]}
-    for b, i in starts:
+def sequence_bounds(position_ids: Tensor | None, padding_mask: Tensor | None, batch: int,
+                    seq_local: int, group: dist.ProcessGroup) -> tuple[int, ...] | None:
+    """The ``cu_seqlens`` of the sequences in the whole sequence, from every rank's shard of
+    its position ids and padding mask (each ``[B, S_local]`` or broadcastable to it; rank
+    ``r``'s tokens at ``[r * S_local, (r + 1) * S_local)``), or None when each row is one
+    sequence.  A sequence starts where a position is not its predecessor's plus one
+    (transformers' ``find_packed_sequence_indices``) or where the mask changes between
+    padding and tokens.  No mask means no padding: transformers gives a rank whose shard has
+    none no mask, while others have one.  Collective: each rank sends its shard's first and
+    last position and mask value and where its sequences start (one ``all_gather_object``)."""
+    if padding_mask is None:
+        padding_mask = torch.ones(1, 1, dtype=torch.long)
+    rules = [(padding_mask, 0)] + ([] if position_ids is None else [(position_ids, 1)])
+    ends = []  # [B, 2] per rule: each row's first and last value
+    starts = torch.zeros(batch, seq_local - 1, dtype=torch.bool)
+    for values, step in rules:
+        values = values.expand(batch, seq_local).long()
+        starts = starts.to(values.device) | (values.diff(dim=-1) != step)
+        ends.append(values[:, [0, -1]])
+    local = {"ends": [e.tolist() for e in ends], "starts": [[] for _ in range(batch)]}
+    for b, i in starts.nonzero().tolist():
         local["starts"][b].append(i + 1)
     shards: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(shards, local, group=group)
@@ -141,7 +153,8 @@ def packed_cu_seqlens(position_ids: Tensor, group: dist.ProcessGroup) -> tuple[i
     bounds = [0]
     for b in range(batch):
         for r, shard in enumerate(shards):
-            if r and shard["first"][b] != shards[r - 1]["last"][b] + 1:
+            if r and any(now[b][0] != before[b][1] + step for now, before, (_, step) in zip(
+                    shard["ends"], shards[r - 1]["ends"], rules)):
                 bounds.append(b * seq + r * seq_local)
             bounds.extend(b * seq + r * seq_local + i for i in shard["starts"][b])
         bounds.append((b + 1) * seq)
