@@ -191,8 +191,8 @@ def apply_ulysses(model: nn.Module, group=None, **layer_options) -> nn.Module:
     config = getattr(model, "config", None)
     if config is not None:
         config.use_cache = False
-        # The masks are now built only to be checked: flash-attn's rule gives None unless
-        # there is padding (which forward refuses); packing is read from the position ids.
+        # flash-attn's mask rule: the 2-D padding mask where there is padding, else None
+        # (SDPA's would build each rank's own 4-D mask, blind to the other ranks' tokens).
         AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, flash_attention_mask)
         AttentionInterface.register(ATTENTION_IMPLEMENTATION, _not_replaced)
         config._attn_implementation = ATTENTION_IMPLEMENTATION
