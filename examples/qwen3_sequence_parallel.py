@@ -25,18 +25,22 @@ torch.manual_seed(0)  # the same weights on every rank
 model = apply_ulysses(Qwen3ForCausalLM(config).to(device))  # every attention -> UlyssesAttention
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-tokens = torch.randint(0, config.vocab_size, (1, 64 * world + 1),
+# Three documents packed in one row of 64 * world tokens, each position restarting at 0:
+# each attends only within itself, across the ranks it spans.
+lengths = (40, 64 * world - 47, 7)
+tokens = torch.randint(0, config.vocab_size, (1, sum(lengths)),
                        generator=torch.Generator().manual_seed(1)).to(device)
-inputs, targets = tokens[:, :-1], tokens[:, 1:]  # shifted once, globally
-s = inputs.shape[1] // world
+positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+targets = tokens.roll(-1, dims=1)  # shifted once, globally
+targets[positions.roll(-1, dims=1) == 0] = -100  # a document's last token predicts nothing
+s = tokens.shape[1] // world
 mine = slice(rank * s, (rank + 1) * s)
-positions = torch.arange(rank * s, (rank + 1) * s, device=device)[None]  # global positions
 
 for step in range(3):
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        logits = model(inputs[:, mine], position_ids=positions).logits
+        logits = model(tokens[:, mine], position_ids=positions[:, mine]).logits
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets[:, mine].flatten(),
-                           reduction="sum") / targets.numel()
+                           reduction="sum") / (targets != -100).sum()
     loss.backward()
     for p in model.parameters():  # the data-parallel reduction over the sequence group
         dist.all_reduce(p.grad)
