@@ -148,6 +148,52 @@ def case_qwen3_padded_logits(ctx):
     return _check_sequences_logits(ctx, torch.arange(seq).expand(2, seq), mask)
 
 
+def _gradients_in_drop_in_layout(model) -> dict:
+    """The unmodified model's parameter gradients, named and laid out as the drop-in's: q, k and
+    v fused into ``layer.qkv_weight``, o_proj as ``layer.o_weight``, the QK norms likewise."""
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for i, block in enumerate(model.model.layers):
+        attn, name = block.self_attn, f"model.layers.{i}.self_attn.layer."
+        grads[name + "qkv_weight"] = torch.cat([attn.q_proj.weight.grad, attn.k_proj.weight.grad,
+                                                attn.v_proj.weight.grad])
+        grads[name + "o_weight"] = attn.o_proj.weight.grad
+        grads[name + "q_norm_weight"] = attn.q_norm.weight.grad
+        grads[name + "k_norm_weight"] = attn.k_norm.weight.grad
+    return grads
+
+
+def case_qwen3_packed_gradients(ctx):
+    """Every parameter's gradient (fp32 master weights, bf16 autocast, summed over the ranks)
+    on the packed rows of ``case_qwen3_packed_logits``, against the unmodified model's on
+    the whole rows in float32; the unmodified model under the same autocast is the noise."""
+    from cake_sp.integrations import close
+    from cake_sp.integrations.transformers import apply_ulysses
+
+    fp32 = _model("qwen3").to(ctx.device)
+    peer = copy.deepcopy(fp32)
+    ours = apply_ulysses(copy.deepcopy(fp32))
+    seq = 16 * ctx.world_size
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (2, seq), generator=g).to(ctx.device)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in
+                             ((5, 11, seq - 16), (seq - 3, 3))]).to(ctx.device)
+    weights = torch.randn(2, seq, 256, generator=g).to(ctx.device)
+    shard = _shard(ctx, ids)[0]
+    for model, autocast, part in ((fp32, False, slice(None)), (peer, True, slice(None)),
+                                  (ours, True, shard)):
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(ids[:, part], position_ids=positions[:, part], use_cache=False).logits
+        (logits.float() * weights[:, part]).sum().backward()
+    names = [name for name, _ in ours.named_parameters()]
+    got = torch.cat([p.grad.float().flatten() for _, p in ours.named_parameters()])
+    dist.all_reduce(got)  # each rank's tokens' share of the gradient
+    close(ours)
+    want, noisy = (torch.cat([_gradients_in_drop_in_layout(m)[n].flatten() for n in names])
+                   for m in (fp32, peer))
+    return {"replaced": len(ours.model.layers), "rel_error": relative_error(got, want),
+            "bf16_rel_error": relative_error(noisy, want)}
+
+
 def case_qwen2_logits(ctx):
     return _check_logits(ctx, "qwen2")
 
@@ -458,8 +504,9 @@ def case_qwen3_training_parity(ctx):
 
 
 OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits, case_qwen3_padded_logits,
-                case_qwen2_logits, case_llama_logits, case_flux_single_block,
-                case_flux_dual_block, case_flux_dual_block_gradients, case_flux_transformer]
+                case_qwen3_packed_gradients, case_qwen2_logits, case_llama_logits,
+                case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
+                case_flux_transformer]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
