@@ -229,11 +229,11 @@ class UlyssesAttention(nn.Module):
         a module that attends over more than one layer's tokens (FLUX's dual-stream blocks)
         calls the three steps itself.
         """
-        if cu_seqlens is not None:
+        if cu_seqlens is not None:  # before the front end's exchange, so every rank raises
             cu_seqlens = check_cu_seqlens(cu_seqlens, batch=x.shape[0],
                                           seq=self.session.world_size * x.shape[1])
-        return self.back_end(self.attend(*self.front_end(x, rope_cos_sin, positions),
-                                         cu_seqlens=cu_seqlens))
+        return self.back_end(self._attend(*self.front_end(x, rope_cos_sin, positions),
+                                          cu_seqlens))
 
     def front_end(self, x: Tensor, rope_cos_sin: Tensor,
                   positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -259,6 +259,11 @@ class UlyssesAttention(nn.Module):
         ``cu_seqlens`` as in ``forward``, over this ``S``."""
         if cu_seqlens is not None:
             cu_seqlens = check_cu_seqlens(cu_seqlens, batch=q.shape[0], seq=q.shape[1])
+        return self._attend(q, k, v, cu_seqlens)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor,
+                cu_seqlens: tuple[int, ...] | None) -> Tensor:
+        """``attend`` with ``cu_seqlens`` already checked."""
         with torch.autocast(q.device.type, enabled=False):
             return attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                              backend=self.attention_backend, cu_seqlens=cu_seqlens)
