@@ -128,8 +128,7 @@ def _packed_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool,
     if backend == "flash":
         from flash_attn import flash_attn_varlen_func
         tokens = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
-        bounds = torch.tensor(cu_seqlens, dtype=torch.int32).to(q.device, non_blocking=True)
-        longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+        bounds, longest = _varlen_bounds(cu_seqlens, q.device)
         o = flash_attn_varlen_func(*tokens, bounds, bounds, longest, longest,
                                    softmax_scale=softmax_scale, causal=causal)
         return o.view(batch, seq, *o.shape[1:])
@@ -150,6 +149,14 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
         scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=4)
+def _varlen_bounds(cu_seqlens: tuple[int, ...], device: torch.device) -> tuple[Tensor, int]:
+    """flash-attn's varlen arguments: ``cu_seqlens`` as int32 on ``device`` and the longest
+    sequence, copied once per distinct ``cu_seqlens`` (every layer of a forward shares it)."""
+    longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+    return torch.tensor(cu_seqlens, dtype=torch.int32, device=device), longest
 
 
 @functools.cache

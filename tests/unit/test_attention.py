@@ -77,3 +77,14 @@ def test_the_gpu_path_block_mask_keeps_each_sequence_apart(causal, monkeypatch):
     want = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa",
                      cu_seqlens=cu_seqlens)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flash_varlen_bounds_are_copied_once_per_cu_seqlens():
+    """flash-attn's path (not installed here): its int32 bounds and longest sequence, built once
+    for every layer of a forward."""
+    import cake_sp.attention as core
+
+    first = core._varlen_bounds((0, 3, 4, 9), torch.device("cpu"))
+    assert first[0].dtype == torch.int32 and first[0].tolist() == [0, 3, 4, 9]
+    assert first[1] == 5
+    assert core._varlen_bounds((0, 3, 4, 9), torch.device("cpu"))[0] is first[0]
