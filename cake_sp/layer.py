@@ -223,15 +223,27 @@ class UlyssesAttention(nn.Module):
 
         Under ``torch.compile`` the session call and the output step are custom operators
         (``session/ops.py``), so the layer compiles into the model's graph (and its
-        backward into the compiled backward) with no graph break.
+        backward into the compiled backward) with no graph break.  A call with
+        ``cu_seqlens`` runs eagerly instead (one graph break); pass it as a tensor there, as
+        the compiler specialises on a tuple's ints (one recompilation per packing).
 
         The same as ``back_end(attend(*front_end(x, rope_cos_sin, positions), cu_seqlens))``:
         a module that attends over more than one layer's tokens (FLUX's dual-stream blocks)
         calls the three steps itself.
         """
-        if cu_seqlens is not None:  # before the front end's exchange, so every rank raises
-            cu_seqlens = check_cu_seqlens(cu_seqlens, batch=x.shape[0],
-                                          seq=self.session.world_size * x.shape[1])
+        if cu_seqlens is not None:
+            return self._packed_forward(x, rope_cos_sin, positions, cu_seqlens)
+        return self.back_end(self._attend(*self.front_end(x, rope_cos_sin, positions), None))
+
+    @torch.compiler.disable
+    def _packed_forward(self, x: Tensor, rope_cos_sin: Tensor, positions: Tensor | None,
+                        cu_seqlens: Sequence[int] | Tensor) -> Tensor:
+        """``forward`` with ``cu_seqlens``.  Under ``torch.compile`` it runs eagerly (a graph
+        break): the bounds are host data, and traced they would be guarded on, one
+        recompilation per packing."""
+        # Before the front end's exchange, so that every rank raises.
+        cu_seqlens = check_cu_seqlens(cu_seqlens, batch=x.shape[0],
+                                      seq=self.session.world_size * x.shape[1])
         return self.back_end(self._attend(*self.front_end(x, rope_cos_sin, positions),
                                           cu_seqlens))
 
@@ -258,7 +270,14 @@ class UlyssesAttention(nn.Module):
         ``front_end``'s bands, or over several layers' bands joined along the sequence;
         ``cu_seqlens`` as in ``forward``, over this ``S``."""
         if cu_seqlens is not None:
-            cu_seqlens = check_cu_seqlens(cu_seqlens, batch=q.shape[0], seq=q.shape[1])
+            return self._packed_attend(q, k, v, cu_seqlens)
+        return self._attend(q, k, v, None)
+
+    @torch.compiler.disable
+    def _packed_attend(self, q: Tensor, k: Tensor, v: Tensor,
+                       cu_seqlens: Sequence[int] | Tensor) -> Tensor:
+        """``attend`` with ``cu_seqlens``, eager under ``torch.compile`` (``_packed_forward``)."""
+        cu_seqlens = check_cu_seqlens(cu_seqlens, batch=q.shape[0], seq=q.shape[1])
         return self._attend(q, k, v, cu_seqlens)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor,

@@ -110,19 +110,32 @@ class TransformersUlyssesAttention(nn.Module):
         cos, sin = position_embeddings
         half = self.head_dim // 2
         position_ids = kwargs.get("position_ids")
-        tensors = [t for t in (position_ids, attention_mask) if t is not None]
-        group = self.layer.group
-        cu_seqlens = _PACKING.get(tensors, (batch, seq_local, group, attention_mask is None),
-                                  lambda: sequence_bounds(position_ids, attention_mask, batch,
-                                                          seq_local, group))
+        cu_seqlens = _packing(position_ids, attention_mask, batch, seq_local, self.layer.group)
 
         def table():
             # transformers repeats each frequency in both halves (rotate_half): keep one of each.
             rope = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).float()
             return rope.expand(batch, seq_local, -1).reshape(batch * seq_local, -1)
 
-        rope = _ROPE_TABLE.get((cos, sin), (half, batch, seq_local), table)
+        if torch.compiler.is_compiling():
+            rope = table()
+        else:
+            rope = _ROPE_TABLE.get((cos, sin), (half, batch, seq_local), table)
         return self.layer(hidden_states, rope, cu_seqlens=cu_seqlens), None
+
+
+@torch.compiler.disable
+def _packing(position_ids: Tensor | None, attention_mask: Tensor | None, batch: int,
+             seq_local: int, group: dist.ProcessGroup) -> Tensor | None:
+    """``sequence_bounds`` once per model forward, as an int64 CPU tensor.  Eager under
+    ``torch.compile`` (a graph break: it is collective and reads the host), and a tensor so
+    that the compiled code after it does not specialise on the bounds."""
+    def bounds():
+        found = sequence_bounds(position_ids, attention_mask, batch, seq_local, group)
+        return None if found is None else torch.tensor(found)
+
+    tensors = [t for t in (position_ids, attention_mask) if t is not None]
+    return _PACKING.get(tensors, (batch, seq_local, group, attention_mask is None), bounds)
 
 
 def sequence_bounds(position_ids: Tensor | None, padding_mask: Tensor | None, batch: int,

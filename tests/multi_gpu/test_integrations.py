@@ -154,35 +154,64 @@ def _gradients_in_drop_in_layout(model) -> dict:
     return grads
 
 
-def case_qwen3_packed_gradients(ctx):
+def _check_packed_gradients(ctx, compiled: bool) -> dict:
     """Every parameter's gradient (fp32 master weights, bf16 autocast, summed over the ranks)
-    on packed rows (``_packed_positions``), against the unmodified model's on
-    the whole rows in float32; the unmodified model under the same autocast is the noise."""
+    on packed rows (``_packed_positions``), against the unmodified model's on the whole rows
+    in float32; the unmodified model under the same autocast is the noise.  ``compiled``:
+    the drop-in model under ``torch.compile`` (inductor on a GPU, aot_eager on the CPU),
+    then three more packings, of other counts and places, which must compile nothing new
+    after the first of them (``frames``: frames compiled after each call)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     from cake_sp.integrations import close
     from cake_sp.integrations.transformers import apply_ulysses
 
     fp32 = _model("qwen3").to(ctx.device)
     peer = copy.deepcopy(fp32)
     ours = apply_ulysses(copy.deepcopy(fp32))
+    run = ours
+    if compiled:
+        counter = CompileCounterWithBackend("inductor" if ctx.device.type == "cuda"
+                                            else "aot_eager")
+        run = torch.compile(ours, backend=counter)
     seq = 16 * ctx.world_size
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 256, (2, seq), generator=g).to(ctx.device)
     positions = _packed_positions(seq).to(ctx.device)
     weights = torch.randn(2, seq, 256, generator=g).to(ctx.device)
     shard = _shard(ctx, ids)[0]
-    for model, autocast, part in ((fp32, False, slice(None)), (peer, True, slice(None)),
-                                  (ours, True, shard)):
+
+    def step(model, positions, autocast, part):
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = model(ids[:, part], position_ids=positions[:, part], use_cache=False).logits
         (logits.float() * weights[:, part]).sum().backward()
+
+    for model, autocast, part in ((fp32, False, slice(None)), (peer, True, slice(None)),
+                                  (run, True, shard)):
+        step(model, positions, autocast, part)
     names = [name for name, _ in ours.named_parameters()]
     got = torch.cat([p.grad.float().flatten() for _, p in ours.named_parameters()])
+    report = {"replaced": len(ours.model.layers)}
+    if compiled:
+        report["frames"] = [counter.frame_count]
+        for lengths in ((3, seq - 3), (1, 9, 7, seq - 17), (seq - 20, 20)):
+            later = torch.cat([torch.arange(n) for n in lengths]).expand(2, seq)
+            step(run, later.to(ctx.device), True, shard)
+            report["frames"].append(counter.frame_count)
     dist.all_reduce(got)  # each rank's tokens' share of the gradient
     close(ours)
     want, noisy = (torch.cat([_gradients_in_drop_in_layout(m)[n].flatten() for n in names])
                    for m in (fp32, peer))
-    return {"replaced": len(ours.model.layers), "rel_error": relative_error(got, want),
+    return {**report, "rel_error": relative_error(got, want),
             "bf16_rel_error": relative_error(noisy, want)}
+
+
+def case_qwen3_packed_gradients(ctx):
+    return _check_packed_gradients(ctx, compiled=False)
+
+
+def case_qwen3_compiled_packed_gradients(ctx):
+    return _check_packed_gradients(ctx, compiled=True)
 
 
 def case_qwen2_logits(ctx):
@@ -495,7 +524,8 @@ def case_qwen3_training_parity(ctx):
 
 
 OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits, case_qwen3_padded_logits,
-                case_qwen3_packed_gradients, case_qwen2_logits, case_llama_logits,
+                case_qwen3_packed_gradients, case_qwen3_compiled_packed_gradients,
+                case_qwen2_logits, case_llama_logits,
                 case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
                 case_flux_transformer]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
@@ -513,6 +543,10 @@ def _check_outputs(world, name, per_rank) -> str:
         assert r["rel_error"] <= NOISE_FACTOR * r["bf16_rel_error"], (
             f"W={world} {name}: relative error {r['rel_error']:.3g} against float32, the "
             f"unmodified bf16 model's {r['bf16_rel_error']:.3g}")
+    if "frames" in per_rank[0]:  # compiled: the later packings reuse the compiled frames
+        for r in per_rank:
+            assert r["frames"][-1] == r["frames"][1], (
+                f"W={world} {name}: new packings compiled new frames: {r['frames']}")
     if "unpacked_rel_error" in per_rank[0]:  # the sequences must matter on some rank
         farthest = max(r["unpacked_rel_error"] / r["bf16_rel_error"] for r in per_rank)
         assert farthest > 10, f"W={world} {name}: one sequence per row gives the same logits"

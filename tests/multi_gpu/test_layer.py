@@ -58,12 +58,14 @@ def _load(layer: UlyssesAttention, params: dict) -> None:
                 getattr(layer, name).copy_(value)
 
 
-def _run(ctx, layer, problem, *, grad=True, cu_seqlens=None):
-    """This rank's ``(y, x.grad, {name: param grad summed over the group})``."""
+def _run(ctx, layer, problem, *, grad=True, cu_seqlens=None, call=None):
+    """This rank's ``(y, x.grad, {name: param grad summed over the group})``; ``call``: what
+    runs ``layer`` (itself by default)."""
     r, dev = ctx.rank, ctx.device
     x = problem.xs[r].to(dev).requires_grad_(grad)
     positions = None if problem.positions is None else problem.positions[r].to(dev)
-    y = layer(x, problem.tables[r].to(dev), positions, cu_seqlens=cu_seqlens)
+    run = layer if call is None else call
+    y = run(x, problem.tables[r].to(dev), positions, cu_seqlens=cu_seqlens)
     if not grad:
         return y, None, {}
     y.backward(problem.dys[r].to(dev))
@@ -89,7 +91,9 @@ def _errors(ctx, y, dx, grads, want_y, want_grads) -> dict:
 
 def _check_layer(ctx, kind, *, batch=2, seq_local=13, rope_style="neox", causal=True,
                  qkv_bias=True, o_bias=True, qk_norm=True, o_proj=True, positions=False,
-                 seed=0, cu_seqlens=None, **session_options):
+                 seed=0, cu_seqlens=None, compiled=False, **session_options):
+    """The layer's output and every gradient against the float64 layer's (``compiled``: the
+    layer under ``torch.compile``, aot_eager), then its output without grad."""
     hq, hkv = _heads(ctx.world_size, kind)
     options = dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, o_proj=o_proj)
     problem = make_layer_problem(seed, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
@@ -97,11 +101,13 @@ def _check_layer(ctx, kind, *, batch=2, seq_local=13, rope_style="neox", causal=
                                  seq_local=seq_local, positions=positions, **options)
     want_y, want_grads = reference_layer(problem, num_q_heads=hq, num_kv_heads=hkv,
                                          rope_style=rope_style, causal=causal,
-                                         cu_seqlens=cu_seqlens)
+                                         cu_seqlens=None if cu_seqlens is None
+                                         else tuple(torch.as_tensor(cu_seqlens).tolist()))
     with _build(ctx, hq, hkv, rope_style=rope_style, causal=causal, **options,
                 **session_options) as layer:
         _load(layer, problem.params)
-        y, dx, grads = _run(ctx, layer, problem, cu_seqlens=cu_seqlens)
+        call = torch.compile(layer, backend="aot_eager") if compiled else None
+        y, dx, grads = _run(ctx, layer, problem, cu_seqlens=cu_seqlens, call=call)
         report = {"backend": layer.backend, "reason": layer.backend_reason,
                   "errors": _errors(ctx, y, dx, grads, want_y, want_grads)}
         # Forward only, under no_grad: the same y, and no autograd state.
@@ -141,6 +147,15 @@ def case_packed_sequences(ctx):
     seq_local, seq = 13, 13 * ctx.world_size
     cu_seqlens = (0, 5, seq_local, seq_local + 1, seq, 2 * seq - 3, 2 * seq)
     return _check_layer(ctx, "gqa_split", seq_local=seq_local, seed=6, cu_seqlens=cu_seqlens)
+
+
+def case_packed_sequences_compiled(ctx):
+    """``case_packed_sequences``' sequences under ``torch.compile``, given as a tensor on the
+    device (the packed call runs eagerly inside the compiled module)."""
+    seq_local, seq = 13, 13 * ctx.world_size
+    cu_seqlens = torch.tensor((0, 3, 4, seq - 1, seq, seq + 2, 2 * seq), device=ctx.device)
+    return _check_layer(ctx, "gqa_split", seq_local=seq_local, seed=7, cu_seqlens=cu_seqlens,
+                        compiled=True)
 
 
 def case_no_o_proj_flux_like(ctx):
@@ -541,12 +556,12 @@ def case_gpu_graph_capture_and_back_to_back(ctx):
 CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no_bias,
          case_gqa_replicate_tails_no_norm, case_no_o_proj_flux_like,
          case_cublas_engine_saved_projection, case_cublas_engine_recomputed_positions,
-         case_packed_sequences,
+         case_packed_sequences, case_packed_sequences_compiled,
          case_slot_leases_under_autograd, case_torch_compile_fullgraph,
          case_checkpoint_and_inference,
          case_bad_arguments_raise_everywhere, case_fsdp2_on_a_2d_mesh, case_gpu_real_shape,
          case_gpu_graph_capture_and_back_to_back]
-REFERENCE_CASES = CASES[:7] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
+REFERENCE_CASES = CASES[:8] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
 GPU_CASES = {case_gpu_real_shape.__name__, case_gpu_graph_capture_and_back_to_back.__name__}
 
 
