@@ -52,12 +52,20 @@ def _rope_table(image_rotary_emb: tuple[Tensor, Tensor]) -> Tensor:
                                                               dim=-1).float())
 
 
-@functools.lru_cache(maxsize=8)
+def _position_rows(first: int, count: int, batch: int, device: torch.device) -> Tensor:
+    return torch.arange(first, first + count, device=device).repeat(batch, 1)
+
+
+_cached_position_rows = functools.lru_cache(maxsize=8)(_position_rows)
+
+
 def _positions(first: int, count: int, batch: int, device: torch.device) -> Tensor:
     """int64 ``[batch, count]``: rows ``first, ..., first + count - 1`` of the RoPE table for
-    every sequence of the batch.  Kept across calls (read only): a FLUX forward asks for the
-    same two or three ranges in every block."""
-    return torch.arange(first, first + count, device=device).repeat(batch, 1)
+    every sequence of the batch.  Kept across eager calls (read only): a FLUX forward asks
+    for the same two or three ranges in every block.  Under ``torch.compile``, which does not
+    honour the cache, traced into the graph."""
+    build = _position_rows if torch.compiler.is_compiling() else _cached_position_rows
+    return build(first, count, batch, device)
 
 
 def _stream_layer(attn: nn.Module, projections: tuple[nn.Linear, nn.Linear, nn.Linear],

@@ -117,10 +117,7 @@ class TransformersUlyssesAttention(nn.Module):
             rope = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).float()
             return rope.expand(batch, seq_local, -1).reshape(batch * seq_local, -1)
 
-        if torch.compiler.is_compiling():
-            rope = table()
-        else:
-            rope = _ROPE_TABLE.get((cos, sin), (half, batch, seq_local), table)
+        rope = _ROPE_TABLE.get((cos, sin), (half, batch, seq_local), table)
         return self.layer(hidden_states, rope, cu_seqlens=cu_seqlens), None
 
 

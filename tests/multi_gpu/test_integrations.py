@@ -359,9 +359,11 @@ def case_flux_dual_block_gradients(ctx):
             "bf16_rel_error": relative_error(attention_grads(bf16.attn), want)}
 
 
-def case_flux_transformer(ctx):
+def _check_flux_transformer(ctx, compiled: bool) -> dict:
     """A whole FLUX transformer (a dual-stream and a single-stream block): each rank passes
-    its text and image tokens with their own ids, and gets its image tokens' output."""
+    its text and image tokens with their own ids, and gets its image tokens' output.
+    ``compiled``: the drop-in model under ``torch.compile(fullgraph=True)`` (inductor on a
+    GPU, aot_eager on the CPU), which raises on any graph break."""
     from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
 
     from cake_sp.integrations import close
@@ -402,13 +404,25 @@ def case_flux_transformer(ctx):
 
     want = run(fp32, torch.float32, txt, img, ids[:text], ids[text:])[:, i_rows]
     peer = run(bf16, torch.bfloat16, txt, img, ids[:text], ids[text:])[:, i_rows]
-    got = run(ours, torch.bfloat16, txt[:, t_rows], img[:, i_rows], ids[:text][t_rows],
+    model = ours
+    if compiled:
+        model = torch.compile(ours, fullgraph=True,
+                              backend="inductor" if ctx.device.type == "cuda" else "aot_eager")
+    got = run(model, torch.bfloat16, txt[:, t_rows], img[:, i_rows], ids[:text][t_rows],
               ids[text:][i_rows])
     replaced = sum(isinstance(m, (FluxUlyssesAttention, FluxDualUlyssesAttention))
                    for m in ours.modules())
     close(ours)
     return {"replaced": replaced, "rel_error": relative_error(got, want),
             "bf16_rel_error": relative_error(peer, want)}
+
+
+def case_flux_transformer(ctx):
+    return _check_flux_transformer(ctx, compiled=False)
+
+
+def case_flux_transformer_compiled(ctx):
+    return _check_flux_transformer(ctx, compiled=True)
 
 
 def case_flux_bad_inputs_raise(ctx):
@@ -527,7 +541,7 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits, case_qwen3_padded_l
                 case_qwen3_packed_gradients, case_qwen3_compiled_packed_gradients,
                 case_qwen2_logits, case_llama_logits,
                 case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
-                case_flux_transformer]
+                case_flux_transformer, case_flux_transformer_compiled]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
