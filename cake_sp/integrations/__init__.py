@@ -1,6 +1,7 @@
 """Drop-in replacements of the attention modules of Hugging Face models (optional extras).
 
-* ``cake_sp.integrations.transformers.apply_ulysses``: Qwen3, Qwen2 and Llama attention;
+* ``cake_sp.integrations.transformers.apply_ulysses``: the attention of Qwen3, Qwen2, Llama,
+  Mistral and the Qwen3-MoE, Qwen2-MoE and Mixtral models;
 * ``cake_sp.integrations.diffusers.apply_ulysses``: the attention of FLUX's single- and
   dual-stream blocks.
 

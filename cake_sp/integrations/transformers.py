@@ -1,9 +1,9 @@
 """``apply_ulysses(model)``: Ulysses sequence parallelism for a transformers decoder model.
 
-Every ``Qwen3Attention``, ``Qwen2Attention`` and ``LlamaAttention`` of the model is
-replaced by ``TransformersUlyssesAttention``: a ``UlyssesAttention`` holding the same
-weights (``q_proj``, ``k_proj``, ``v_proj`` fused into ``qkv_weight``; Qwen3's QK-norm
-weights) behind the module's own call contract
+Every attention module of a Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama, Mistral or Mixtral
+model (``SUPPORTED``) is replaced by ``TransformersUlyssesAttention``: a
+``UlyssesAttention`` holding the same weights (``q_proj``, ``k_proj``, ``v_proj`` fused
+into ``qkv_weight``; Qwen3's QK-norm weights) behind the module's own call contract
 ``forward(hidden_states, position_embeddings, attention_mask=None, **kwargs) ->
 (attn_output, None)``, so the decoder layers need no change.  Each rank then runs
 the model on its shard of the tokens with the matching global positions::
@@ -39,7 +39,13 @@ from torch import Tensor, nn
 from cake_sp.integrations import LastInputs
 from cake_sp.layer import UlyssesAttention
 
-SUPPORTED = ("Qwen3Attention", "Qwen2Attention", "LlamaAttention")
+# The attention classes replaced, by transformers module: each has q/k/v/o projections,
+# ``head_dim``, ``scaling`` and rotate-half RoPE from the model's position embeddings (Qwen3's
+# also per-head q_norm/k_norm); their decoder layers call them alike.
+SUPPORTED = {"Qwen3Attention": "qwen3", "Qwen3MoeAttention": "qwen3_moe",
+             "Qwen2Attention": "qwen2", "Qwen2MoeAttention": "qwen2_moe",
+             "LlamaAttention": "llama", "MistralAttention": "mistral",
+             "MixtralAttention": "mixtral"}
 # The name apply_ulysses gives the model's attention implementation (config._attn_implementation).
 ATTENTION_IMPLEMENTATION = "cake_sp_ulysses"
 # One table and one packing per model forward, shared by the layers (they get the same
@@ -49,10 +55,30 @@ _PACKING = LastInputs()
 
 
 def _attention_classes() -> tuple[type, ...]:
-    from transformers.models.llama.modeling_llama import LlamaAttention
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
-    return (Qwen3Attention, Qwen2Attention, LlamaAttention)
+    """The ``SUPPORTED`` classes this transformers has."""
+    import importlib
+
+    classes = []
+    for name, module in SUPPORTED.items():
+        try:
+            found = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        except ImportError:
+            continue
+        classes.append(getattr(found, name))
+    return tuple(classes)
+
+
+def _sliding_window(attn: nn.Module) -> int | None:
+    """The layer's sliding window, read where its model class reads it: the module's own
+    ``sliding_window`` (Qwen2, Qwen3 and their MoE models), else the config's, for the
+    layers ``config.layer_types`` marks as sliding or for every layer (Mistral, Mixtral)."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window or None
+    config = attn.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[attn.layer_idx] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None) or None
 
 
 class TransformersUlyssesAttention(nn.Module):
@@ -66,9 +92,6 @@ class TransformersUlyssesAttention(nn.Module):
         super().__init__()
         config = attn.config
         self.config, self.layer_idx = config, attn.layer_idx
-        if getattr(attn, "sliding_window", None) is not None:
-            raise ValueError(f"layer {attn.layer_idx}: sliding-window attention is not supported "
-                             "(UlyssesAttention is full causal attention)")
         d = attn.head_dim
         self.head_dim = d
         q_norm = getattr(attn, "q_norm", None)
@@ -193,6 +216,12 @@ def apply_ulysses(model: nn.Module, group=None, **layer_options) -> nn.Module:
                         type(m).__name__})
         raise ValueError(f"apply_ulysses: {type(model).__name__} has no attention module it "
                          f"supports ({', '.join(SUPPORTED)}); found {kinds or 'none'}")
+    for name, attn in targets:  # before any layer allocates its buffers
+        window = _sliding_window(attn)
+        if window is not None:
+            raise ValueError(f"apply_ulysses: {name} uses sliding-window attention (a window "
+                             f"of {window} tokens), which is not supported (UlyssesAttention "
+                             "is full causal attention)")
     for name, attn in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -46,23 +46,38 @@ CHECKPOINTED_FACTOR = 0.1
 ATTENTION_GAIN = 8.0
 
 
-def _tiny_config(kind: str):
+# Each kind's config and model classes (transformers names), and its options beyond the
+# shared tiny shape: MoE models with 4 experts, 2 a token.
+KINDS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+def _tiny_config(kind: str, **options):
     import transformers
 
-    config_cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config,
-                  "llama": transformers.LlamaConfig}[kind]
-    return config_cls(vocab_size=256, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=64, max_position_embeddings=256)
+    config_cls, _, extra = KINDS[kind]
+    return getattr(transformers, config_cls)(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+        **{**extra, **options})
 
 
-def _model(kind: str):
+def _model(kind: str, **options):
     import transformers
 
-    model_cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "llama": transformers.LlamaForCausalLM}[kind]
     torch.manual_seed(0)  # every rank builds the same weights
-    return model_cls(_tiny_config(kind)).float()
+    return getattr(transformers, KINDS[kind][1])(_tiny_config(kind, **options)).float()
 
 
 def _shard(ctx, ids):
@@ -221,6 +236,22 @@ def case_qwen2_logits(ctx):
 
 def case_llama_logits(ctx):
     return _check_logits(ctx, "llama")
+
+
+def case_qwen3_moe_logits(ctx):
+    return _check_logits(ctx, "qwen3_moe")
+
+
+def case_qwen2_moe_logits(ctx):
+    return _check_logits(ctx, "qwen2_moe")
+
+
+def case_mistral_logits(ctx):
+    return _check_logits(ctx, "mistral")
+
+
+def case_mixtral_logits(ctx):
+    return _check_logits(ctx, "mixtral")
 
 
 def _flux_ids(text: int, height: int, width: int) -> torch.Tensor:
@@ -470,6 +501,14 @@ def case_unsupported_inputs_raise(ctx):
         report["model"] = "no error"
     except ValueError as exc:
         report["model"] = str(exc)
+    for kind, options in (("mistral", dict(sliding_window=4096)),
+                          ("qwen2", dict(use_sliding_window=True, sliding_window=16,
+                                         max_window_layers=1))):
+        try:
+            apply_ulysses(_model(kind, **options))
+            report[f"{kind}_window"] = "no error"
+        except ValueError as exc:
+            report[f"{kind}_window"] = str(exc)
     model = apply_ulysses(_model("qwen3").bfloat16().to(ctx.device))
     ids = torch.randint(0, 256, (1, 8), device=ctx.device)
     shard, positions = _shard(ctx, torch.zeros(1, 8 * ctx.world_size, device=ctx.device))
@@ -540,7 +579,8 @@ def case_qwen3_training_parity(ctx):
 
 OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits, case_qwen3_padded_logits,
                 case_qwen3_packed_gradients, case_qwen3_compiled_packed_gradients,
-                case_qwen2_logits, case_llama_logits,
+                case_qwen2_logits, case_llama_logits, case_qwen3_moe_logits,
+                case_qwen2_moe_logits, case_mistral_logits, case_mixtral_logits,
                 case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
                 case_flux_transformer, case_flux_transformer_compiled]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
@@ -573,7 +613,11 @@ def _check_outputs(world, name, per_rank) -> str:
 def _check_unsupported(world, name, per_rank) -> str:
     assert_no_rank_failed(world, per_rank, name)
     for r in per_rank:
-        assert "Qwen3Attention, Qwen2Attention, LlamaAttention" in r["model"], r["model"]
+        assert "Qwen3Attention, Qwen3MoeAttention, Qwen2Attention" in r["model"], r["model"]
+        assert "layers.0.self_attn uses sliding-window attention (a window of 4096 tokens)" \
+            in r["mistral_window"], r["mistral_window"]
+        assert "layers.1.self_attn uses sliding-window attention (a window of 16 tokens)" \
+            in r["qwen2_window"], r["qwen2_window"]
         assert "takes a 2-D padding mask [B, S_local] = [1, 8]" in r["mask"], r["mask"]
         assert "use_cache=False" in r["cache"], r["cache"]
     return "unsupported model, mask and cache raised"
