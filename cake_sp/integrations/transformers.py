@@ -132,8 +132,13 @@ class TransformersUlyssesAttention(nn.Module):
                 f"attention_mask of shape {tuple(attention_mask.shape)}")
         cos, sin = position_embeddings
         half = self.head_dim // 2
-        position_ids = kwargs.get("position_ids")
-        cu_seqlens = _packing(position_ids, attention_mask, batch, seq_local, self.layer.group)
+        given = kwargs.get("cu_seq_lens_q")
+        if given is None:
+            cu_seqlens = _packing(kwargs.get("position_ids"), attention_mask, batch, seq_local,
+                                  self.layer.group)
+        else:
+            cu_seqlens = _given_bounds(given, kwargs.get("cu_seq_lens_k"),
+                                       batch * seq_local * self.layer.session.world_size)
 
         def table():
             # transformers repeats each frequency in both halves (rotate_half): keep one of each.
@@ -156,6 +161,24 @@ def _packing(position_ids: Tensor | None, attention_mask: Tensor | None, batch: 
 
     tensors = [t for t in (position_ids, attention_mask) if t is not None]
     return _PACKING.get(tensors, (batch, seq_local, group, attention_mask is None), bounds)
+
+
+@torch.compiler.disable
+def _given_bounds(cu_seq_lens_q: Tensor, cu_seq_lens_k: Tensor | None, total: int) -> Tensor:
+    """The caller's ``cu_seq_lens_q`` over the whole sequence's ``total = B * S`` tokens (the
+    same on every rank), as an int64 CPU tensor, with the tokens after its end (padding up to
+    a multiple of the world size) as one more sequence; the layer checks the rest.  It
+    describes every sequence, padding included: the attention mask is not read (transformers
+    gives one only to the ranks whose shard has padding, so refusing it would raise on some
+    ranks only)."""
+    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(
+            cu_seq_lens_k.cpu(), cu_seq_lens_q.cpu()):
+        raise ValueError("cake_sp's Ulysses attention is self-attention: cu_seq_lens_k must "
+                         "equal cu_seq_lens_q")
+    bounds = cu_seq_lens_q.to("cpu", torch.int64)
+    if bounds.ndim == 1 and len(bounds) and 0 <= bounds[-1] < total:
+        bounds = torch.cat((bounds, bounds.new_tensor([total])))
+    return bounds
 
 
 def sequence_bounds(position_ids: Tensor | None, padding_mask: Tensor | None, batch: int,

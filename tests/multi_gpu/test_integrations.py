@@ -11,6 +11,7 @@ kernels with ``cuda`` or ``cuda-shared``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -87,13 +88,14 @@ def _shard(ctx, ids):
     return slice(first, first + s), positions
 
 
-def _check_logits(ctx, kind, positions=None, mask=None):
+def _check_logits(ctx, kind, positions=None, mask=None, bounds=None):
     """The drop-in's logits on this rank's tokens against the unmodified model's on the whole
     rows, two rows of ``16 * W`` tokens.  Without ``positions`` each row is one sequence;
     with them (and a padding ``mask``) the unmodified model builds its own packed or padding
     mask from the same arguments, the comparison covers the real tokens only, and
     ``unpacked_rel_error`` is the distance from that model with an all-ones mask (no packing,
-    no padding)."""
+    no padding).  ``bounds``: the drop-in gets them as ``cu_seq_lens_q``/``cu_seq_lens_k``
+    (transformers' flash-attn keyword arguments) and must not derive its own."""
     from cake_sp.integrations import close
     from cake_sp.integrations.transformers import TransformersUlyssesAttention, apply_ulysses
 
@@ -117,8 +119,12 @@ def _check_logits(ctx, kind, positions=None, mask=None):
 
     with torch.no_grad():
         want, peer = whole_rows(fp32, mask), whole_rows(bf16, mask)
-        got = ours(ids[:, shard], position_ids=local_positions,
-                   attention_mask=None if mask is None else mask[:, shard]).logits[real]
+        flash_kwargs = {} if bounds is None else dict(cu_seq_lens_q=bounds.to(ctx.device),
+                                                      cu_seq_lens_k=bounds.to(ctx.device))
+        with _bounds_not_derived(bounds is not None):
+            got = ours(ids[:, shard], position_ids=local_positions,
+                       attention_mask=None if mask is None else mask[:, shard],
+                       **flash_kwargs).logits[real]
         report = {"replaced": replaced, "rel_error": relative_error(got, want),
                   "bf16_rel_error": relative_error(peer, want)}
         if sequences:
@@ -127,6 +133,23 @@ def _check_logits(ctx, kind, positions=None, mask=None):
                 got, whole_rows(fp32, torch.ones_like(ids)))
     close(ours)
     return report
+
+
+@contextlib.contextmanager
+def _bounds_not_derived(active: bool):
+    """While ``active``, the drop-in's own derivation of the sequence bounds raises."""
+    from cake_sp.integrations import transformers as drop_in
+
+    def derive(*args, **kwargs):
+        raise AssertionError("the drop-in derived the bounds it was given")
+
+    derived = drop_in.sequence_bounds
+    if active:
+        drop_in.sequence_bounds = derive
+    try:
+        yield
+    finally:
+        drop_in.sequence_bounds = derived
 
 
 def case_qwen3_logits(ctx):
@@ -142,6 +165,15 @@ def _packed_positions(seq: int) -> torch.Tensor:
 
 def case_qwen3_packed_logits(ctx):
     return _check_logits(ctx, "qwen3", _packed_positions(16 * ctx.world_size))
+
+
+def case_qwen3_packed_logits_given_bounds(ctx):
+    """``case_qwen3_packed_logits`` with the bounds given as ``cu_seq_lens_q`` (as
+    ``DataCollatorWithFlattening`` gives them) over both whole rows, the last document left
+    out: the tokens after the bounds' end are a sequence of their own."""
+    positions = _packed_positions(16 * ctx.world_size)
+    starts = (positions.flatten() == 0).nonzero().flatten()
+    return _check_logits(ctx, "qwen3", positions, bounds=starts.to(torch.int32))
 
 
 def case_qwen3_padded_logits(ctx):
@@ -513,8 +545,13 @@ def case_unsupported_inputs_raise(ctx):
     ids = torch.randint(0, 256, (1, 8), device=ctx.device)
     shard, positions = _shard(ctx, torch.zeros(1, 8 * ctx.world_size, device=ctx.device))
     mask = torch.ones(1, 1, 8, 8, dtype=torch.bool, device=ctx.device)
+    seq = 8 * ctx.world_size
+    bounds = torch.tensor([0, seq], device=ctx.device)
     for name, kwargs in (("mask", {"attention_mask": mask}),
-                         ("cache", {"use_cache": True})):
+                         ("cache", {"use_cache": True}),
+                         ("bounds_k", {"cu_seq_lens_q": bounds,
+                                       "cu_seq_lens_k": torch.tensor([0, 3, seq])}),
+                         ("bounds", {"cu_seq_lens_q": torch.tensor([0, 5, 3, seq])})):
         try:
             model(ids, position_ids=positions, **kwargs)
             report[name] = "no error"
@@ -577,7 +614,8 @@ def case_qwen3_training_parity(ctx):
     return report
 
 
-OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits, case_qwen3_padded_logits,
+OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
+                case_qwen3_packed_logits_given_bounds, case_qwen3_padded_logits,
                 case_qwen3_packed_gradients, case_qwen3_compiled_packed_gradients,
                 case_qwen2_logits, case_llama_logits, case_qwen3_moe_logits,
                 case_qwen2_moe_logits, case_mistral_logits, case_mixtral_logits,
@@ -620,7 +658,9 @@ def _check_unsupported(world, name, per_rank) -> str:
             in r["qwen2_window"], r["qwen2_window"]
         assert "takes a 2-D padding mask [B, S_local] = [1, 8]" in r["mask"], r["mask"]
         assert "use_cache=False" in r["cache"], r["cache"]
-    return "unsupported model, mask and cache raised"
+        assert "cu_seq_lens_k must equal cu_seq_lens_q" in r["bounds_k"], r["bounds_k"]
+        assert "cu_seqlens must be strictly increasing" in r["bounds"], r["bounds"]
+    return "unsupported model, mask, cache and bad cu_seq_lens raised"
 
 
 def _check_flux_bad_inputs(world, name, per_rank) -> str:
