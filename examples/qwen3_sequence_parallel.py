@@ -5,11 +5,10 @@
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from cake_sp.integrations import close
-from cake_sp.integrations.transformers import apply_ulysses
+from cake_sp.integrations.transformers import apply_ulysses, shard_batch
 
 gpu = torch.cuda.is_available()
 dist.init_process_group("nccl" if gpu else "gloo")
@@ -25,22 +24,19 @@ torch.manual_seed(0)  # the same weights on every rank
 model = apply_ulysses(Qwen3ForCausalLM(config).to(device))  # every attention -> UlyssesAttention
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-# Three documents packed in one row of 64 * world tokens, each position restarting at 0:
-# each attends only within itself, across the ranks it spans.
-lengths = (40, 64 * world - 47, 7)
+# Three documents packed in one row of 64 * world - 3 tokens, each position restarting at 0:
+# each attends only within itself, across the ranks it spans.  Every rank builds the same
+# batch of whole rows; shard_batch pads it to a multiple of the world size, shifts the labels
+# over the whole row and gives this rank its tokens.
+lengths = (40, 64 * world - 47, 4)
 tokens = torch.randint(0, config.vocab_size, (1, sum(lengths)),
                        generator=torch.Generator().manual_seed(1)).to(device)
 positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
-targets = tokens.roll(-1, dims=1)  # shifted once, globally
-targets[positions.roll(-1, dims=1) == 0] = -100  # a document's last token predicts nothing
-s = tokens.shape[1] // world
-mine = slice(rank * s, (rank + 1) * s)
+part = shard_batch({"input_ids": tokens, "position_ids": positions, "labels": tokens})
 
 for step in range(3):
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        logits = model(tokens[:, mine], position_ids=positions[:, mine]).logits
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets[:, mine].flatten(),
-                           reduction="sum") / (targets != -100).sum()
+        loss = model(**part).loss  # this rank's tokens' share of the batch's mean loss
     loss.backward()
     for p in model.parameters():  # the data-parallel reduction over the sequence group
         dist.all_reduce(p.grad)

@@ -21,7 +21,10 @@ shard, like ``input_ids``): a run of padding is a sequence of its own, so real t
 attend to it, left or right.  The layers learn where every rank's sequences start from one
 small all-gather per model forward and attend within each sequence only
 (``UlyssesAttention``'s ``cu_seqlens``); padded tokens' outputs are not meaningful, as in
-transformers.
+transformers.  Bounds passed as ``cu_seq_lens_q`` (transformers' flash-attn keyword
+arguments, over the whole rows) are used as given instead.  ``shard_batch`` turns a batch
+of whole rows into a rank's part: its tokens, the whole rows' bounds, and its tokens'
+targets shifted over the whole rows.
 
 Causal attention only: a 4-D mask, a sliding window or a KV cache raises ``ValueError``
 naming what is supported.  ``apply_ulysses`` turns ``use_cache`` off and has the model
@@ -31,6 +34,7 @@ build its masks as for flash-attn: the 2-D mask where there is padding, else Non
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -49,7 +53,7 @@ SUPPORTED = {"Qwen3Attention": "qwen3", "Qwen3MoeAttention": "qwen3_moe",
 # The name apply_ulysses gives the model's attention implementation (config._attn_implementation).
 ATTENTION_IMPLEMENTATION = "cake_sp_ulysses"
 # One table and one packing per model forward, shared by the layers (they get the same
-# position embeddings and position ids).
+# position embeddings, position ids and given bounds).
 _ROPE_TABLE = LastInputs()
 _PACKING = LastInputs()
 
@@ -166,19 +170,24 @@ def _packing(position_ids: Tensor | None, attention_mask: Tensor | None, batch: 
 @torch.compiler.disable
 def _given_bounds(cu_seq_lens_q: Tensor, cu_seq_lens_k: Tensor | None, total: int) -> Tensor:
     """The caller's ``cu_seq_lens_q`` over the whole sequence's ``total = B * S`` tokens (the
-    same on every rank), as an int64 CPU tensor, with the tokens after its end (padding up to
-    a multiple of the world size) as one more sequence; the layer checks the rest.  It
-    describes every sequence, padding included: the attention mask is not read (transformers
+    same on every rank), as an int64 CPU tensor read once per model forward, with the
+    tokens after its end (padding up to a multiple of the world size) as one more sequence;
+    the layer checks the rest.  It describes every sequence, padding included: the
+    attention mask is not read (transformers
     gives one only to the ranks whose shard has padding, so refusing it would raise on some
     ranks only)."""
-    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(
-            cu_seq_lens_k.cpu(), cu_seq_lens_q.cpu()):
-        raise ValueError("cake_sp's Ulysses attention is self-attention: cu_seq_lens_k must "
-                         "equal cu_seq_lens_q")
-    bounds = cu_seq_lens_q.to("cpu", torch.int64)
-    if bounds.ndim == 1 and len(bounds) and 0 <= bounds[-1] < total:
-        bounds = torch.cat((bounds, bounds.new_tensor([total])))
-    return bounds
+    def bounds():
+        if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(
+                cu_seq_lens_k.cpu(), cu_seq_lens_q.cpu()):
+            raise ValueError("cake_sp's Ulysses attention is self-attention: cu_seq_lens_k must "
+                             "equal cu_seq_lens_q")
+        found = cu_seq_lens_q.to("cpu", torch.int64)
+        if found.ndim == 1 and len(found) and 0 <= found[-1] < total:
+            found = torch.cat((found, found.new_tensor([total])))
+        return found
+
+    given = [t for t in (cu_seq_lens_q, cu_seq_lens_k) if t is not None]
+    return _PACKING.get(given, ("given", total), bounds)
 
 
 def sequence_bounds(position_ids: Tensor | None, padding_mask: Tensor | None, batch: int,
@@ -259,6 +268,94 @@ def apply_ulysses(model: nn.Module, group=None, **layer_options) -> nn.Module:
         AttentionInterface.register(ATTENTION_IMPLEMENTATION, _not_replaced)
         config._attn_implementation = ATTENTION_IMPLEMENTATION
     return model
+
+
+def shard_batch(batch: Mapping[str, Tensor], group=None, *, pad_token_id: int = 0,
+                ignore_index: int = -100) -> dict[str, Tensor | int]:
+    """This rank's part of a causal-LM batch of whole rows, for ``model(**part)`` on a model
+    under ``apply_ulysses``.  Every rank of ``group`` (as in ``apply_ulysses``) passes the
+    same ``batch``; see :func:`shard_rows` for what it takes and gives."""
+    from cake_sp.session.overlap import resolve_group
+
+    group = resolve_group(group)
+    return shard_rows(batch, dist.get_rank(group), dist.get_world_size(group),
+                      pad_token_id=pad_token_id, ignore_index=ignore_index)
+
+
+def shard_rows(batch: Mapping[str, Tensor], rank: int, world: int, *, pad_token_id: int = 0,
+               ignore_index: int = -100) -> dict[str, Tensor | int]:
+    """Rank ``rank`` of ``world``'s part of ``batch``, whole rows of a causal-LM batch:
+
+    * ``input_ids [B, S]``; optionally ``position_ids [B, S]`` (default ``0, ..., S - 1``;
+      packed sequences restart them, as ``DataCollatorWithFlattening`` makes them),
+      ``attention_mask [B, S]`` (2-D, 0 at padding), ``cu_seq_lens_q`` (the sequences'
+      offsets into the ``B * S`` tokens, instead of deriving them from the positions and the
+      mask) and ``labels [B, S]`` (transformers' convention: unshifted, ``ignore_index``
+      where no loss).
+
+    The rows are padded to a multiple of ``world`` (``pad_token_id``, positions running on,
+    mask 0, no targets), and the result holds rank ``rank``'s tokens ``[rank * S_local,
+    (rank + 1) * S_local)`` of ``input_ids``, ``position_ids`` and ``attention_mask``, and for
+    the whole rows ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32; padding a sequence of its own)
+    and ``max_length_q``/``max_length_k``, so the model derives nothing in its forward.  With
+    ``labels``: ``shift_labels``, each of this rank's tokens' target, shifted over the whole
+    row before sharding (so no token loses its target at a shard boundary), with no target
+    across a sequence's end or at padding; ``labels``, the same tensor (so that the model
+    computes its loss); and ``num_items_in_batch``, the targets of the whole batch.  Then
+    transformers' loss on each rank is its tokens' share of the batch's mean, and the sum
+    of the ranks' losses and gradients is the batch's.
+    """
+    ids = batch["input_ids"]
+    if ids.ndim != 2:
+        raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
+    rows, seq = ids.shape
+    local = -(-seq // world)
+    pad = local * world - seq
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(seq, device=ids.device).expand(rows, seq)
+    mask = batch.get("attention_mask")
+    starts = torch.zeros(rows, seq, dtype=torch.bool, device=ids.device)
+    starts[:, 0] = True
+    bounds = batch.get("cu_seq_lens_q")
+    if bounds is not None:
+        inner = bounds.to(ids.device, torch.long)
+        starts.view(-1)[inner[(inner >= 0) & (inner < rows * seq)]] = True
+    else:
+        starts[:, 1:] |= positions.diff(dim=-1) != 1
+        if mask is not None:
+            starts[:, 1:] |= mask.diff(dim=-1) != 0
+
+    def padded(t: Tensor, value) -> Tensor:
+        return torch.nn.functional.pad(t, (0, pad), value=value)
+
+    running = positions[:, -1:] + torch.arange(1, pad + 1, device=ids.device)
+    whole = {"input_ids": padded(ids, pad_token_id),
+             "position_ids": torch.cat((positions, running), dim=1)}
+    if mask is not None:
+        whole["attention_mask"] = padded(mask, 0)
+    mine = slice(rank * local, (rank + 1) * local)
+    part = {name: t[:, mine].contiguous() for name, t in whole.items()}
+    starts = padded(starts, False)
+    if pad:
+        starts[:, seq] = True
+    offsets = starts.flatten().nonzero().flatten()
+    cu = torch.cat((offsets, offsets.new_tensor([rows * local * world]))).to(torch.int32)
+    longest = int(cu.diff().max())
+    part.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    labels = batch.get("labels")
+    if labels is not None:
+        # Token i's target is token i + 1's label, unless i + 1 starts a sequence or is padding.
+        targets = padded(labels, ignore_index).roll(-1, dims=1)
+        targets[:, -1] = ignore_index
+        targets[starts.roll(-1, dims=1)] = ignore_index
+        if mask is not None:
+            real = padded(mask, 0) != 0
+            targets[~real | ~real.roll(-1, dims=1)] = ignore_index
+        shifted = targets[:, mine].contiguous()
+        part.update(shift_labels=shifted, labels=shifted,
+                    num_items_in_batch=(targets != ignore_index).sum())
+    return part
 
 
 def _not_replaced(module: nn.Module, *args, **kwargs):

@@ -254,6 +254,58 @@ def _check_packed_gradients(ctx, compiled: bool) -> dict:
             "bf16_rel_error": relative_error(noisy, want)}
 
 
+def case_qwen3_sharded_batch_loss(ctx):
+    """``shard_batch`` on two packed rows of ``16 * W - 3`` tokens (padded to the world), some
+    labels ignored: the model's own loss (``model(**part).loss``) summed over the ranks, and
+    every parameter's gradient summed likewise (fp32 master weights, bf16 autocast), against
+    the unmodified model's mean next-token loss within each document on the whole rows in
+    float32; the unmodified model under the same autocast is the noise."""
+    from cake_sp.integrations import close
+    from cake_sp.integrations.transformers import apply_ulysses, shard_batch
+
+    fp32 = _model("qwen3").to(ctx.device)
+    peer = copy.deepcopy(fp32)
+    ours = apply_ulysses(copy.deepcopy(fp32))
+    seq = 16 * ctx.world_size - 3
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (2, seq), generator=g).to(ctx.device)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in
+                             ((7, seq - 12, 5), (seq,))]).to(ctx.device)
+    labels = ids.clone()
+    labels[:, 3:6] = -100
+    batch = {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+    def reference(model, autocast):
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(ids, position_ids=positions, use_cache=False).logits.float()
+        # Within a document, token i predicts token i + 1's label.
+        same = positions[:, 1:] == positions[:, :-1] + 1
+        targets = torch.where(same, labels[:, 1:], -100)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(),
+                               ignore_index=-100)
+        loss.backward()
+        return loss.detach()
+
+    want, noisy = reference(fp32, False), reference(peer, True)
+    with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+        loss = ours(**shard_batch(batch), use_cache=False).loss
+    loss.backward()
+    got = loss.detach().clone()
+    dist.all_reduce(got)
+    names = [name for name, _ in ours.named_parameters()]
+    grads = torch.cat([p.grad.float().flatten() for _, p in ours.named_parameters()])
+    dist.all_reduce(grads)
+    close(ours)
+    want_grads, noisy_grads = (
+        torch.cat([_gradients_in_drop_in_layout(m)[n].flatten() for n in names])
+        for m in (fp32, peer))
+    return {"replaced": len(ours.model.layers),
+            "rel_error": max(relative_error(got, want), relative_error(grads, want_grads)),
+            "bf16_rel_error": max(relative_error(noisy, want),
+                                  relative_error(noisy_grads, want_grads)),
+            "loss": [got.item(), want.item(), noisy.item()]}
+
+
 def case_qwen3_packed_gradients(ctx):
     return _check_packed_gradients(ctx, compiled=False)
 
@@ -617,6 +669,7 @@ def case_qwen3_training_parity(ctx):
 OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_qwen3_packed_logits_given_bounds, case_qwen3_padded_logits,
                 case_qwen3_packed_gradients, case_qwen3_compiled_packed_gradients,
+                case_qwen3_sharded_batch_loss,
                 case_qwen2_logits, case_llama_logits, case_qwen3_moe_logits,
                 case_qwen2_moe_logits, case_mistral_logits, case_mixtral_logits,
                 case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,

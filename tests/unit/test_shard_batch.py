@@ -1,0 +1,111 @@
+"""``cake_sp.integrations.transformers.shard_rows`` on the CPU: every rank's part against a
+token-by-token reference of the padded rows, their sequences and each token's target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from cake_sp.integrations.transformers import shard_rows  # noqa: E402
+
+IGNORE = -100
+
+
+def _reference(batch: dict, world: int) -> dict:
+    """The padded rows, the sequence of every token (a new one where a position is not its
+    predecessor's plus one, the mask changes, or the padding tail begins; or at each given
+    offset) and each token's target, one token at a time."""
+    ids = batch["input_ids"].tolist()
+    rows, seq = len(ids), len(ids[0])
+    padded = -(-seq // world) * world
+    positions = batch.get("position_ids", torch.arange(seq).expand(rows, seq)).tolist()
+    mask = batch.get("attention_mask")
+    mask = None if mask is None else mask.tolist()
+    given = batch.get("cu_seq_lens_q")
+    starts = set() if given is None else set(given.tolist())
+    out = {"input_ids": [], "position_ids": [], "attention_mask": [], "targets": [],
+           "offsets": []}
+    for b in range(rows):
+        first = [True] + [False] * (padded - 1)
+        for i in range(1, padded):
+            if i >= seq:
+                first[i] = i == seq
+            elif given is not None:
+                first[i] = b * seq + i in starts
+            else:
+                first[i] = (positions[b][i] != positions[b][i - 1] + 1
+                            or (mask is not None and mask[b][i] != mask[b][i - 1]))
+        real = [i < seq and (mask is None or mask[b][i] == 1) for i in range(padded)]
+        out["input_ids"].append(ids[b] + [0] * (padded - seq))
+        out["position_ids"].append(positions[b] + [positions[b][-1] + 1 + j
+                                                    for j in range(padded - seq)])
+        if mask is not None:
+            out["attention_mask"].append(mask[b] + [0] * (padded - seq))
+        labels = batch["labels"][b].tolist() + [IGNORE] * (padded - seq)
+        out["targets"].append([labels[i + 1] if i + 1 < padded and not first[i + 1]
+                               and real[i] and real[i + 1] else IGNORE
+                               for i in range(padded)])
+        out["offsets"] += [b * padded + i for i in range(padded) if first[i]]
+    out["offsets"].append(rows * padded)
+    return out
+
+
+def _check(batch: dict, world: int) -> None:
+    want = _reference(batch, world)
+    parts = [shard_rows(batch, r, world) for r in range(world)]
+    for name in ("input_ids", "position_ids", "attention_mask"):
+        if want[name]:
+            got = torch.cat([p[name] for p in parts], dim=1)
+            assert got.tolist() == want[name], name
+    assert torch.cat([p["shift_labels"] for p in parts], dim=1).tolist() == want["targets"]
+    for p in parts:
+        assert p["labels"] is p["shift_labels"]
+        assert p["cu_seq_lens_q"].tolist() == want["offsets"]
+        assert p["cu_seq_lens_q"].dtype == torch.int32
+        assert p["max_length_q"] == max(b - a for a, b in zip(want["offsets"],
+                                                                 want["offsets"][1:]))
+        assert int(p["num_items_in_batch"]) == sum(t != IGNORE for row in want["targets"]
+                                                    for t in row)
+
+
+def _batch(rows: int, seq: int, **extra) -> dict:
+    g = torch.Generator().manual_seed(seq)
+    ids = torch.randint(1, 50, (rows, seq), generator=g)
+    labels = ids.clone()
+    labels[:, 2] = IGNORE  # a prompt token: no loss
+    return {"input_ids": ids, "labels": labels, **extra}
+
+
+def test_packed_rows_padded_to_the_world():
+    seq = 13  # padded to 16 over 4 ranks
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths])
+                             for lengths in ((5, 1, 7), (13,))])
+    _check(_batch(2, seq, position_ids=positions), world=4)
+
+
+def test_padding_mask_left_and_right():
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, 9:] = 0
+    mask[1, :4] = 0
+    _check(_batch(2, 12, attention_mask=mask), world=3)
+
+
+def test_given_bounds_are_moved_to_the_padded_rows():
+    seq = 10  # padded to 12 over 3 ranks; offsets into the unpadded 2 x 10 tokens
+    bounds = torch.tensor([0, 4, 10, 11, 17, 20], dtype=torch.int32)
+    positions = torch.stack([torch.cat([torch.arange(4), torch.arange(6)]),
+                             torch.cat([torch.arange(1), torch.arange(6), torch.arange(3)])])
+    _check(_batch(2, seq, position_ids=positions, cu_seq_lens_q=bounds), world=3)
+
+
+def test_one_rank_and_no_labels():
+    part = shard_rows({"input_ids": torch.ones(1, 5, dtype=torch.long)}, 0, 1)
+    assert part["cu_seq_lens_q"].tolist() == [0, 5]
+    assert "shift_labels" not in part and "labels" not in part
+
+
+def test_input_ids_must_be_two_dimensional():
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, S\], got shape \(6,\)"):
+        shard_rows({"input_ids": torch.ones(6, dtype=torch.long)}, 0, 2)
