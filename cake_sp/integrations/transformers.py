@@ -309,6 +309,14 @@ def shard_rows(batch: Mapping[str, Tensor], rank: int, world: int, *, pad_token_
     if ids.ndim != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
     rows, seq = ids.shape
+    for name in ("position_ids", "attention_mask", "labels"):
+        given = batch.get(name)
+        if given is not None and (given.ndim != 2 or given.shape[1] != seq
+                                  or given.shape[0] not in (rows, 1)):
+            raise ValueError(f"{name} must be [B, S] = [{rows}, {seq}] like input_ids, got "
+                             f"shape {tuple(given.shape)}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, world) = [0, {world}), got {rank}")
     local = -(-seq // world)
     pad = local * world - seq
     positions = batch.get("position_ids")

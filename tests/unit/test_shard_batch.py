@@ -106,6 +106,12 @@ def test_one_rank_and_no_labels():
     assert "shift_labels" not in part and "labels" not in part
 
 
-def test_input_ids_must_be_two_dimensional():
+def test_bad_arguments_raise():
+    ids = torch.ones(2, 6, dtype=torch.long)
     with pytest.raises(ValueError, match=r"input_ids must be \[B, S\], got shape \(6,\)"):
-        shard_rows({"input_ids": torch.ones(6, dtype=torch.long)}, 0, 2)
+        shard_rows({"input_ids": ids[0]}, 0, 2)
+    with pytest.raises(ValueError, match=r"labels must be \[B, S\] = \[2, 6\] like "
+                                         r"input_ids, got shape \(2, 5\)"):
+        shard_rows({"input_ids": ids, "labels": ids[:, :5]}, 0, 2)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world\) = \[0, 2\), got 2"):
+        shard_rows({"input_ids": ids}, 2, 2)
