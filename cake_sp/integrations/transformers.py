@@ -173,9 +173,8 @@ def _given_bounds(cu_seq_lens_q: Tensor, cu_seq_lens_k: Tensor | None, total: in
     same on every rank), as an int64 CPU tensor read once per model forward, with the
     tokens after its end (padding up to a multiple of the world size) as one more sequence;
     the layer checks the rest.  It describes every sequence, padding included: the
-    attention mask is not read (transformers
-    gives one only to the ranks whose shard has padding, so refusing it would raise on some
-    ranks only)."""
+    attention mask is not read (transformers gives one only to the ranks whose shard has
+    padding, so refusing it would raise on some ranks only)."""
     def bounds():
         if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(
                 cu_seq_lens_k.cpu(), cu_seq_lens_q.cpu()):
@@ -286,9 +285,9 @@ def shard_rows(batch: Mapping[str, Tensor], rank: int, world: int, *, pad_token_
                ignore_index: int = -100) -> dict[str, Tensor | int]:
     """Rank ``rank`` of ``world``'s part of ``batch``, whole rows of a causal-LM batch:
 
-    * ``input_ids [B, S]``; optionally ``position_ids [B, S]`` (default ``0, ..., S - 1``;
-      packed sequences restart them, as ``DataCollatorWithFlattening`` makes them),
-      ``attention_mask [B, S]`` (2-D, 0 at padding), ``cu_seq_lens_q`` (the sequences'
+    * ``input_ids [B, S]``; optionally ``position_ids [B, S]`` or ``[1, S]`` (default
+      ``0, ..., S - 1``; packed sequences restart them, as ``DataCollatorWithFlattening``
+      makes them), ``attention_mask [B, S]`` (2-D, 0 at padding), ``cu_seq_lens_q`` (the sequences'
       offsets into the ``B * S`` tokens, instead of deriving them from the positions and the
       mask) and ``labels [B, S]`` (transformers' convention: unshifted, ``ignore_index``
       where no loss).
@@ -309,12 +308,13 @@ def shard_rows(batch: Mapping[str, Tensor], rank: int, world: int, *, pad_token_
     if ids.ndim != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
     rows, seq = ids.shape
-    for name in ("position_ids", "attention_mask", "labels"):
+    for name, shared in (("position_ids", True), ("attention_mask", False), ("labels", False)):
         given = batch.get(name)
-        if given is not None and (given.ndim != 2 or given.shape[1] != seq
-                                  or given.shape[0] not in (rows, 1)):
-            raise ValueError(f"{name} must be [B, S] = [{rows}, {seq}] like input_ids, got "
-                             f"shape {tuple(given.shape)}")
+        if given is not None and tuple(given.shape) not in {(rows, seq), (1, seq) if shared
+                                                            else (rows, seq)}:
+            raise ValueError(f"{name} must be [B, S] = [{rows}, {seq}] like input_ids"
+                             f"{' (or [1, S])' if shared else ''}, got shape "
+                             f"{tuple(given.shape)}")
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, world) = [0, {world}), got {rank}")
     local = -(-seq // world)

@@ -106,6 +106,14 @@ def test_one_rank_and_no_labels():
     assert "shift_labels" not in part and "labels" not in part
 
 
+def test_position_ids_shared_by_the_rows():
+    batch = {"input_ids": torch.ones(2, 5, dtype=torch.long),
+             "position_ids": torch.tensor([[0, 1, 0, 1, 2]])}
+    part = shard_rows(batch, 1, 2)
+    assert part["position_ids"].tolist() == [[1, 2, 3]]
+    assert part["cu_seq_lens_q"].tolist() == [0, 2, 5, 6, 8, 11, 12]
+
+
 def test_bad_arguments_raise():
     ids = torch.ones(2, 6, dtype=torch.long)
     with pytest.raises(ValueError, match=r"input_ids must be \[B, S\], got shape \(6,\)"):
@@ -113,5 +121,8 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match=r"labels must be \[B, S\] = \[2, 6\] like "
                                          r"input_ids, got shape \(2, 5\)"):
         shard_rows({"input_ids": ids, "labels": ids[:, :5]}, 0, 2)
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B, S\] = \[2, 6\] like "
+                                         r"input_ids, got shape \(1, 6\)"):
+        shard_rows({"input_ids": ids, "attention_mask": ids[:1]}, 0, 2)
     with pytest.raises(ValueError, match=r"rank must be in \[0, world\) = \[0, 2\), got 2"):
         shard_rows({"input_ids": ids}, 2, 2)
