@@ -141,8 +141,8 @@ class TransformersUlyssesAttention(nn.Module):
             cu_seqlens = _packing(kwargs.get("position_ids"), attention_mask, batch, seq_local,
                                   self.layer.group)
         else:
-            cu_seqlens = _given_bounds(given, kwargs.get("cu_seq_lens_k"),
-                                       batch * seq_local * self.layer.session.world_size)
+            cu_seqlens = _given_bounds(given, kwargs.get("cu_seq_lens_k"), batch,
+                                       seq_local * self.layer.session.world_size)
 
         def table():
             # transformers repeats each frequency in both halves (rotate_half): keep one of each.
@@ -168,10 +168,12 @@ def _packing(position_ids: Tensor | None, attention_mask: Tensor | None, batch: 
 
 
 @torch.compiler.disable
-def _given_bounds(cu_seq_lens_q: Tensor, cu_seq_lens_k: Tensor | None, total: int) -> Tensor:
-    """The caller's ``cu_seq_lens_q`` over the whole sequence's ``total = B * S`` tokens (the
+def _given_bounds(cu_seq_lens_q: Tensor, cu_seq_lens_k: Tensor | None, batch: int,
+                  seq: int) -> Tensor | None:
+    """The caller's ``cu_seq_lens_q`` over the ``batch`` whole rows of ``seq`` tokens (the
     same on every rank), as an int64 CPU tensor read once per model forward, with the
     tokens after its end (padding up to a multiple of the world size) as one more sequence;
+    None where each row is one sequence, so that the layer call stays in a compiled graph;
     the layer checks the rest.  It describes every sequence, padding included: the
     attention mask is not read (transformers gives one only to the ranks whose shard has
     padding, so refusing it would raise on some ranks only)."""
@@ -181,12 +183,12 @@ def _given_bounds(cu_seq_lens_q: Tensor, cu_seq_lens_k: Tensor | None, total: in
             raise ValueError("cake_sp's Ulysses attention is self-attention: cu_seq_lens_k must "
                              "equal cu_seq_lens_q")
         found = cu_seq_lens_q.to("cpu", torch.int64)
-        if found.ndim == 1 and len(found) and 0 <= found[-1] < total:
-            found = torch.cat((found, found.new_tensor([total])))
-        return found
+        if found.ndim == 1 and len(found) and 0 <= found[-1] < batch * seq:
+            found = torch.cat((found, found.new_tensor([batch * seq])))
+        return None if found.tolist() == list(range(0, batch * seq + 1, seq)) else found
 
     given = [t for t in (cu_seq_lens_q, cu_seq_lens_k) if t is not None]
-    return _PACKING.get(given, ("given", total), bounds)
+    return _PACKING.get(given, ("given", batch, seq), bounds)
 
 
 def sequence_bounds(position_ids: Tensor | None, padding_mask: Tensor | None, batch: int,

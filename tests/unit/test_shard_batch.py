@@ -126,3 +126,16 @@ def test_bad_arguments_raise():
         shard_rows({"input_ids": ids, "attention_mask": ids[:1]}, 0, 2)
     with pytest.raises(ValueError, match=r"rank must be in \[0, world\) = \[0, 2\), got 2"):
         shard_rows({"input_ids": ids}, 2, 2)
+
+
+def test_given_bounds_of_whole_rows_are_none():
+    """Bounds that hold one sequence a row (as ``shard_rows`` gives for unpacked rows) reach
+    the layer as None, so that a compiled model keeps the layer call in its graph; a tail
+    after the last offset is a sequence of its own."""
+    from cake_sp.integrations.transformers import _given_bounds
+
+    whole = shard_rows({"input_ids": torch.ones(2, 6, dtype=torch.long)}, 0, 2)
+    assert _given_bounds(whole["cu_seq_lens_q"], whole["cu_seq_lens_k"], 2, 6) is None
+    assert _given_bounds(torch.tensor([0, 6]), None, 2, 6) is None  # the tail is row 1
+    assert _given_bounds(torch.tensor([0, 6, 9]), None, 2, 6).tolist() == [0, 6, 9, 12]
+    assert _given_bounds(torch.tensor([0, 2, 6]), None, 1, 9).tolist() == [0, 2, 6, 9]
