@@ -191,6 +191,26 @@ def _given_bounds(cu_seq_lens_q: Tensor, cu_seq_lens_k: Tensor | None, batch: in
     return _PACKING.get(given, ("given", batch, seq), bounds)
 
 
+def _sequence_rules(position_ids: Tensor | None,
+                    padding_mask: Tensor | None) -> list[tuple[Tensor, int]]:
+    """Where sequences start, as ``(values, step)`` rules: token ``i`` starts one where
+    ``values[i] != values[i - 1] + step``.  The padding mask with step 0 (it changes between
+    padding and tokens), the positions with step 1 (transformers'
+    ``find_packed_sequence_indices``)."""
+    return ([] if padding_mask is None else [(padding_mask, 0)]) + (
+        [] if position_ids is None else [(position_ids, 1)])
+
+
+def _inner_starts(rules: list[tuple[Tensor, int]], batch: int, seq: int) -> Tensor:
+    """bool ``[batch, seq - 1]``: whether token ``i + 1`` of each row starts a sequence by any
+    of ``rules`` (each value tensor ``[batch, seq]`` or broadcastable to it)."""
+    starts = torch.zeros(batch, seq - 1, dtype=torch.bool)
+    for values, step in rules:
+        starts = starts.to(values.device) | (values.expand(batch, seq).long().diff(dim=-1)
+                                             != step)
+    return starts
+
+
 def sequence_bounds(position_ids: Tensor | None, padding_mask: Tensor | None, batch: int,
                     seq_local: int, group: dist.ProcessGroup) -> tuple[int, ...] | None:
     """The ``cu_seqlens`` of the sequences in the whole sequence, from every rank's shard of
@@ -203,13 +223,10 @@ def sequence_bounds(position_ids: Tensor | None, padding_mask: Tensor | None, ba
     last position and mask value and where its sequences start (one ``all_gather_object``)."""
     if padding_mask is None:
         padding_mask = torch.ones(1, 1, dtype=torch.long)
-    rules = [(padding_mask, 0)] + ([] if position_ids is None else [(position_ids, 1)])
-    ends = []  # [B, 2] per rule: each row's first and last value
-    starts = torch.zeros(batch, seq_local - 1, dtype=torch.bool)
-    for values, step in rules:
-        values = values.expand(batch, seq_local).long()
-        starts = starts.to(values.device) | (values.diff(dim=-1) != step)
-        ends.append(values[:, [0, -1]])
+    rules = _sequence_rules(position_ids, padding_mask)
+    starts = _inner_starts(rules, batch, seq_local)
+    # [B, 2] per rule: each row's first and last value.
+    ends = [values.expand(batch, seq_local)[:, [0, -1]].long() for values, _ in rules]
     local = {"ends": [e.tolist() for e in ends], "starts": [[] for _ in range(batch)]}
     for b, i in starts.nonzero().tolist():
         local["starts"][b].append(i + 1)
@@ -332,9 +349,7 @@ def shard_rows(batch: Mapping[str, Tensor], rank: int, world: int, *, pad_token_
         inner = bounds.to(ids.device, torch.long)
         starts.view(-1)[inner[(inner >= 0) & (inner < rows * seq)]] = True
     else:
-        starts[:, 1:] |= positions.diff(dim=-1) != 1
-        if mask is not None:
-            starts[:, 1:] |= mask.diff(dim=-1) != 0
+        starts[:, 1:] = _inner_starts(_sequence_rules(positions, mask), rows, seq)
 
     def padded(t: Tensor, value) -> Tensor:
         return torch.nn.functional.pad(t, (0, pad), value=value)
