@@ -95,6 +95,11 @@ def check_cu_seqlens(cu_seqlens: Sequence[int] | Tensor, *, batch: int,
     return bounds
 
 
+def row_bounds(batch: int, seq: int) -> tuple[int, ...]:
+    """``cu_seqlens`` of ``batch`` rows of one sequence each: ``0, S, ..., B * S``."""
+    return tuple(range(0, batch * seq + 1, seq))
+
+
 def _shorten(bounds: tuple) -> str:
     return str(list(bounds)) if len(bounds) <= 8 else f"[{bounds[0]}, ..., {bounds[-1]}] " \
         f"({len(bounds)} entries)"
@@ -106,7 +111,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: f
     ``backend``); with ``cu_seqlens`` (checked by ``check_cu_seqlens``) each packed sequence
     attends only to itself."""
     batch, seq = q.shape[:2]
-    if cu_seqlens is not None and cu_seqlens != tuple(range(0, batch * seq + 1, seq)):
+    if cu_seqlens is not None and cu_seqlens != row_bounds(batch, seq):
         return _packed_attention(q, k, v, causal, softmax_scale, backend, cu_seqlens)
     if backend == "flash":
         from flash_attn import flash_attn_func

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from cake_sp.attention import row_bounds
 from cake_sp.integrations import LastInputs
 from cake_sp.layer import UlyssesAttention
 
@@ -185,7 +186,7 @@ def _given_bounds(cu_seq_lens_q: Tensor, cu_seq_lens_k: Tensor | None, batch: in
         found = cu_seq_lens_q.to("cpu", torch.int64)
         if found.ndim == 1 and len(found) and 0 <= found[-1] < batch * seq:
             found = torch.cat((found, found.new_tensor([batch * seq])))
-        return None if found.tolist() == list(range(0, batch * seq + 1, seq)) else found
+        return None if tuple(found.tolist()) == row_bounds(batch, seq) else found
 
     given = [t for t in (cu_seq_lens_q, cu_seq_lens_k) if t is not None]
     return _PACKING.get(given, ("given", batch, seq), bounds)
