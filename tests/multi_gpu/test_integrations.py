@@ -680,8 +680,6 @@ CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_rais
 TRAINING_CASES = [case_qwen3_training_parity]
 
 
-
-
 def _check_outputs(world, name, per_rank) -> str:
     assert_no_rank_failed(world, per_rank, name)
     for r in per_rank:
