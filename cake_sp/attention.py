@@ -20,6 +20,12 @@ sequence (causally if ``causal``).  flash-attn runs them in one varlen call; the
 backend, on a GPU, in one call of PyTorch's ``flex_attention`` (compiled once per process
 and shape) with a block mask of the sequences (built once per distinct ``cu_seqlens``), and on
 the CPU in one SDPA call per sequence.  Rows of one sequence each take the unpacked path.
+
+Key masks.  ``key_mask [B, S]`` (True: a key the row's queries may attend to; padding of a
+text encoder's tokens, for instance) goes to SDPA as a boolean mask, whatever the backend:
+flash-attn takes no mask, and PyTorch picks a kernel that does (memory-efficient or math).
+A query left with no key (every key masked, or every earlier one if causal) gets what
+SDPA gives there.
 """
 
 from __future__ import annotations
@@ -95,6 +101,23 @@ def check_cu_seqlens(cu_seqlens: Sequence[int] | Tensor, *, batch: int,
     return bounds
 
 
+def check_key_mask(key_mask: Tensor, *, batch: int, seq: int,
+                   device: torch.device) -> Tensor:
+    """``key_mask`` as a bool ``[batch, seq]`` tensor on ``device``, or ``ValueError`` naming
+    what is wrong: a bool or integer tensor (nonzero: attend), ``S`` the whole sequence.  Host
+    checks of its shape, dtype and device only (no sync)."""
+    if not isinstance(key_mask, Tensor) or (key_mask.dtype != torch.bool
+                                            and key_mask.dtype.is_floating_point):
+        raise ValueError(f"key_mask must be a bool or integer tensor (True or nonzero: a key "
+                         f"to attend), got {getattr(key_mask, 'dtype', type(key_mask))}")
+    if tuple(key_mask.shape) != (batch, seq):
+        raise ValueError(f"key_mask must have shape [B, S] = [{batch}, {seq}] (S the whole "
+                         f"sequence), got {list(key_mask.shape)}")
+    if key_mask.device != device:
+        raise ValueError(f"key_mask must be on {device}, got {key_mask.device}")
+    return key_mask if key_mask.dtype == torch.bool else key_mask != 0
+
+
 def row_bounds(batch: int, seq: int) -> tuple[int, ...]:
     """``cu_seqlens`` of ``batch`` rows of one sequence each: ``0, S, ..., B * S``."""
     return tuple(range(0, batch * seq + 1, seq))
@@ -106,11 +129,15 @@ def _shorten(bounds: tuple) -> str:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float | None,
-              backend: str, cu_seqlens: tuple[int, ...] | None = None) -> Tensor:
+              backend: str, cu_seqlens: tuple[int, ...] | None = None,
+              key_mask: Tensor | None = None) -> Tensor:
     """``o [B, S, Hq, D]`` from ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` (a resolved
     ``backend``); with ``cu_seqlens`` (checked by ``check_cu_seqlens``) each packed sequence
-    attends only to itself."""
+    attends only to itself; with ``key_mask`` (bool ``[B, S]``, checked by
+    ``check_key_mask``; not with ``cu_seqlens``) no query attends to a masked key."""
     batch, seq = q.shape[:2]
+    if key_mask is not None:
+        return _sdpa(q, k, v, causal, softmax_scale, key_mask)
     if cu_seqlens is not None and cu_seqlens != row_bounds(batch, seq):
         return _packed_attention(q, k, v, causal, softmax_scale, backend, cu_seqlens)
     if backend == "flash":
@@ -119,10 +146,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: f
     return _sdpa(q, k, v, causal, softmax_scale)
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None,
+          key_mask: Tensor | None = None) -> Tensor:
+    mask = None
+    if key_mask is not None:  # [B, 1, 1, S], and causal folded in: SDPA takes one or the other
+        seq = q.shape[1]
+        mask = key_mask[:, None, None, :]
+        if causal:
+            mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
     o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
-        scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        is_causal=causal and mask is None, scale=softmax_scale,
+        enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2)
 
 

@@ -25,7 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from cake_sp.attention import attention, check_cu_seqlens, resolve_attention_backend
+from cake_sp.attention import (
+    attention,
+    check_cu_seqlens,
+    check_key_mask,
+    resolve_attention_backend,
+)
 from cake_sp.layouts import GATHER_TOKENS, SCATTER_HEADS, BandTransfer
 from cake_sp.session import ops
 from cake_sp.session.autograd import OutputProjectionFunction
@@ -204,7 +209,8 @@ class UlyssesAttention(nn.Module):
         return self.session.backend_reason
 
     def forward(self, x: Tensor, rope_cos_sin: Tensor, positions: Tensor | None = None,
-                cu_seqlens: Sequence[int] | Tensor | None = None) -> Tensor:
+                cu_seqlens: Sequence[int] | Tensor | None = None,
+                key_mask: Tensor | None = None) -> Tensor:
         """``y [B, S_local, hidden]`` bf16 (``[B, S_local, Hq * D]`` without o_proj).
 
         x : bf16 ``[B, S_local, hidden]``, this rank's tokens (fp32 is cast to bf16).
@@ -215,6 +221,10 @@ class UlyssesAttention(nn.Module):
             (r + 1) * S_local)``), as ``[N + 1]`` offsets into the ``B * S`` tokens taken row
             by row (see ``cake_sp.attention``).  Each attends only within itself.  Checked on
             the host before any exchange (a GPU tensor is read back: one sync).
+        key_mask : optional bool ``[B, S]`` over the whole sequence (``S = W * S_local``, in
+            that order), the same on every rank, on ``x``'s device: False (or 0) for a key
+            no query may attend to (padding).  Not with ``cu_seqlens`` (padding can be a
+            sequence of its own there).  Attention then runs on SDPA (``cake_sp.attention``).
 
         Every rank of the group calls, in the same order.  Without grad the result of
         the no-o_proj layer is a view of a receive slot (valid ``num_slots - 1`` further
@@ -227,13 +237,17 @@ class UlyssesAttention(nn.Module):
         ``cu_seqlens`` runs eagerly instead (one graph break); pass it as a tensor there, as
         the compiler specialises on a tuple's ints (one recompilation per packing).
 
-        The same as ``back_end(attend(*front_end(x, rope_cos_sin, positions), cu_seqlens))``:
+        The same as ``back_end(attend(*front_end(x, rope_cos_sin, positions), cu_seqlens=...,
+        key_mask=...))``:
         a module that attends over more than one layer's tokens (FLUX's dual-stream blocks)
         calls the three steps itself.
         """
+        key_mask = self._checked_key_mask(key_mask, cu_seqlens, x.shape[0],
+                                          self.session.world_size * x.shape[1], x.device)
         if cu_seqlens is not None:
             return self._packed_forward(x, rope_cos_sin, positions, cu_seqlens)
-        return self.back_end(self._attend(*self.front_end(x, rope_cos_sin, positions), None))
+        return self.back_end(self._attend(*self.front_end(x, rope_cos_sin, positions), None,
+                                          key_mask))
 
     @torch.compiler.disable
     def _packed_forward(self, x: Tensor, rope_cos_sin: Tensor, positions: Tensor | None,
@@ -265,13 +279,15 @@ class UlyssesAttention(nn.Module):
             return self.session(x, qkv_weight, q_norm, k_norm, rope_cos_sin, positions, qkv_bias)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *,
-               cu_seqlens: Sequence[int] | Tensor | None = None) -> Tensor:
+               cu_seqlens: Sequence[int] | Tensor | None = None,
+               key_mask: Tensor | None = None) -> Tensor:
         """``o [B, S, Hq / W, D]``: the layer's attention (its mask, scale and backend) over
         ``front_end``'s bands, or over several layers' bands joined along the sequence;
-        ``cu_seqlens`` as in ``forward``, over this ``S``."""
+        ``cu_seqlens`` and ``key_mask`` as in ``forward``, over this ``S``."""
+        key_mask = self._checked_key_mask(key_mask, cu_seqlens, *q.shape[:2], q.device)
         if cu_seqlens is not None:
             return self._packed_attend(q, k, v, cu_seqlens)
-        return self._attend(q, k, v, None)
+        return self._attend(q, k, v, None, key_mask)
 
     @torch.compiler.disable
     def _packed_attend(self, q: Tensor, k: Tensor, v: Tensor,
@@ -280,12 +296,25 @@ class UlyssesAttention(nn.Module):
         cu_seqlens = check_cu_seqlens(cu_seqlens, batch=q.shape[0], seq=q.shape[1])
         return self._attend(q, k, v, cu_seqlens)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor,
-                cu_seqlens: tuple[int, ...] | None) -> Tensor:
-        """``attend`` with ``cu_seqlens`` already checked."""
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: tuple[int, ...] | None,
+                key_mask: Tensor | None = None) -> Tensor:
+        """``attend`` with ``cu_seqlens`` and ``key_mask`` already checked."""
         with torch.autocast(q.device.type, enabled=False):
             return attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
-                             backend=self.attention_backend, cu_seqlens=cu_seqlens)
+                             backend=self.attention_backend, cu_seqlens=cu_seqlens,
+                             key_mask=key_mask)
+
+    @staticmethod
+    def _checked_key_mask(key_mask: Tensor | None, cu_seqlens, batch: int, seq: int,
+                          device: torch.device) -> Tensor | None:
+        """``key_mask`` checked for a call over ``[batch, seq]`` tokens (host checks only, so
+        every rank raises alike before any exchange)."""
+        if key_mask is None:
+            return None
+        if cu_seqlens is not None:
+            raise ValueError("pass cu_seqlens or key_mask, not both: with cu_seqlens, padding "
+                             "can be a sequence of its own")
+        return check_key_mask(key_mask, batch=batch, seq=seq, device=device)
 
     def back_end(self, o: Tensor) -> Tensor:
         """``forward``'s result from ``o [B, S, Hq / W, D]`` (``attend``'s layout, this layer's

@@ -185,6 +185,7 @@ def ulysses_attention_layer(
     eps: float = 1e-6,
     softmax_scale: float | None = None,
     cu_seqlens: Sequence[int] | None = None,
+    key_mask: Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> list[Tensor]:
     """The whole layer on the full sequence, in ``dtype`` with no intermediate rounding:
@@ -195,7 +196,8 @@ def ulysses_attention_layer(
     along tokens.  ``rope_cos_sin[r]``: rank r's per-token table ``[B * S_local, D]``, or
     a ``[max_pos, D]`` table indexed by ``positions[r] [B, S_local]``.  ``cu_seqlens``:
     sequences packed along the ``B * S`` tokens (row by row); a token then attends only to
-    tokens of its own sequence.  Differentiable:
+    tokens of its own sequence.  ``key_mask [B, S]``: no token attends to a key where it is
+    False (or 0).  Differentiable:
     with inputs that require grad, autograd of this function is the gradient reference.
     Returns per rank ``y [B, S_local, hidden]`` (``[B, S_local, Hq * D]`` without ``o_weight``).
     """
@@ -235,6 +237,8 @@ def ulysses_attention_layer(
         sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
         sequence = sequence.view(batch, 1, s).to(scores.device)
         hidden |= sequence[..., :, None] != sequence[..., None, :]
+    if key_mask is not None:
+        hidden |= ~key_mask.bool().view(batch, 1, 1, s).to(scores.device)
     scores = scores.masked_fill(hidden, float("-inf"))
     o = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v).flatten(2)
     y = o if o_weight is None else o @ cast(o_weight).T

@@ -58,14 +58,15 @@ def _load(layer: UlyssesAttention, params: dict) -> None:
                 getattr(layer, name).copy_(value)
 
 
-def _run(ctx, layer, problem, *, grad=True, cu_seqlens=None, call=None):
+def _run(ctx, layer, problem, *, grad=True, cu_seqlens=None, key_mask=None, call=None):
     """This rank's ``(y, x.grad, {name: param grad summed over the group})``; ``call``: what
     runs ``layer`` (itself by default)."""
     r, dev = ctx.rank, ctx.device
     x = problem.xs[r].to(dev).requires_grad_(grad)
     positions = None if problem.positions is None else problem.positions[r].to(dev)
     run = layer if call is None else call
-    y = run(x, problem.tables[r].to(dev), positions, cu_seqlens=cu_seqlens)
+    mask = None if key_mask is None else key_mask.to(dev)
+    y = run(x, problem.tables[r].to(dev), positions, cu_seqlens=cu_seqlens, key_mask=mask)
     if not grad:
         return y, None, {}
     y.backward(problem.dys[r].to(dev))
@@ -91,7 +92,7 @@ def _errors(ctx, y, dx, grads, want_y, want_grads) -> dict:
 
 def _check_layer(ctx, kind, *, batch=2, seq_local=13, rope_style="neox", causal=True,
                  qkv_bias=True, o_bias=True, qk_norm=True, o_proj=True, positions=False,
-                 seed=0, cu_seqlens=None, compiled=False, **session_options):
+                 seed=0, cu_seqlens=None, key_mask=None, compiled=False, **session_options):
     """The layer's output and every gradient against the float64 layer's (``compiled``: the
     layer under ``torch.compile``, aot_eager), then its output without grad."""
     hq, hkv = _heads(ctx.world_size, kind)
@@ -102,17 +103,22 @@ def _check_layer(ctx, kind, *, batch=2, seq_local=13, rope_style="neox", causal=
     want_y, want_grads = reference_layer(problem, num_q_heads=hq, num_kv_heads=hkv,
                                          rope_style=rope_style, causal=causal,
                                          cu_seqlens=None if cu_seqlens is None
-                                         else tuple(torch.as_tensor(cu_seqlens).tolist()))
+                                         else tuple(torch.as_tensor(cu_seqlens).tolist()),
+                                         key_mask=key_mask)
     with _build(ctx, hq, hkv, rope_style=rope_style, causal=causal, **options,
                 **session_options) as layer:
         _load(layer, problem.params)
-        call = torch.compile(layer, backend="aot_eager") if compiled else None
-        y, dx, grads = _run(ctx, layer, problem, cu_seqlens=cu_seqlens, call=call)
+        # Packed calls break the graph by design (``UlyssesAttention.forward``); others may not.
+        call = torch.compile(layer, backend="aot_eager",
+                             fullgraph=cu_seqlens is None) if compiled else None
+        y, dx, grads = _run(ctx, layer, problem, cu_seqlens=cu_seqlens, key_mask=key_mask,
+                            call=call)
         report = {"backend": layer.backend, "reason": layer.backend_reason,
                   "errors": _errors(ctx, y, dx, grads, want_y, want_grads)}
         # Forward only, under no_grad: the same y, and no autograd state.
         with torch.no_grad():
-            y_eval, _, _ = _run(ctx, layer, problem, grad=False, cu_seqlens=cu_seqlens)
+            y_eval, _, _ = _run(ctx, layer, problem, grad=False, cu_seqlens=cu_seqlens,
+                                key_mask=key_mask)
         report["no_grad_equal"] = bool(torch.equal(y_eval, y.detach()))
         report["no_grad_graph"] = y_eval.grad_fn is not None
     return report
@@ -156,6 +162,30 @@ def case_packed_sequences_compiled(ctx):
     cu_seqlens = torch.tensor((0, 3, 4, seq - 1, seq, seq + 2, 2 * seq), device=ctx.device)
     return _check_layer(ctx, "gqa_split", seq_local=seq_local, seed=7, cu_seqlens=cu_seqlens,
                         compiled=True)
+
+
+def _random_key_mask(seed: int, batch: int, seq: int, dtype: torch.dtype) -> torch.Tensor:
+    """About a third of the keys masked, at random, but every row's first (so that under a
+    causal mask every query keeps a key)."""
+    mask = torch.rand(batch, seq, generator=torch.Generator().manual_seed(seed)) > 0.35
+    mask[:, 0] = True
+    return mask.to(dtype)
+
+
+def case_key_mask(ctx):
+    """Random keys masked in each row, causal GQA; the mask in integers (0: masked)."""
+    seq_local = 11
+    mask = _random_key_mask(8, 2, seq_local * ctx.world_size, torch.int64)
+    return _check_layer(ctx, "gqa_split", seq_local=seq_local, seed=8, key_mask=mask)
+
+
+def case_key_mask_noncausal_compiled(ctx):
+    """Random keys masked, bidirectional MHA as in the diffusion drop-ins, under
+    ``torch.compile``."""
+    seq_local = 9
+    mask = _random_key_mask(9, 2, seq_local * ctx.world_size, torch.bool)
+    return _check_layer(ctx, "mha", rope_style="interleaved", causal=False, seq_local=seq_local,
+                        seed=9, key_mask=mask, compiled=True)
 
 
 def case_no_o_proj_flux_like(ctx):
@@ -458,6 +488,16 @@ def case_bad_arguments_raise_everywhere(ctx):
         report["cu_seqlens_rows"] = expect_error(
             lambda: layer(x, rope, cu_seqlens=[0, 3, 2 * s]), ValueError,
             f"every batch row's start b * S (S = {s})")
+        mask = torch.ones(2, s, dtype=torch.bool, device=ctx.device)
+        report["key_mask_shape"] = expect_error(
+            lambda: layer(x, rope, key_mask=mask[:, :4]), ValueError,
+            f"key_mask must have shape [B, S] = [2, {s}] (S the whole sequence), got [2, 4]")
+        report["key_mask_dtype"] = expect_error(
+            lambda: layer(x, rope, key_mask=mask.float()), ValueError,
+            "key_mask must be a bool or integer tensor")
+        report["key_mask_and_bounds"] = expect_error(
+            lambda: layer(x, rope, cu_seqlens=[0, s, 2 * s], key_mask=mask), ValueError,
+            "pass cu_seqlens or key_mask, not both")
         report["repr"] = repr(layer)
     return report
 
@@ -556,12 +596,12 @@ def case_gpu_graph_capture_and_back_to_back(ctx):
 CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no_bias,
          case_gqa_replicate_tails_no_norm, case_no_o_proj_flux_like,
          case_cublas_engine_saved_projection, case_cublas_engine_recomputed_positions,
-         case_packed_sequences, case_packed_sequences_compiled,
-         case_slot_leases_under_autograd, case_torch_compile_fullgraph,
-         case_checkpoint_and_inference,
+         case_packed_sequences, case_packed_sequences_compiled, case_key_mask,
+         case_key_mask_noncausal_compiled, case_slot_leases_under_autograd,
+         case_torch_compile_fullgraph, case_checkpoint_and_inference,
          case_bad_arguments_raise_everywhere, case_fsdp2_on_a_2d_mesh, case_gpu_real_shape,
          case_gpu_graph_capture_and_back_to_back]
-REFERENCE_CASES = CASES[:8] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
+REFERENCE_CASES = CASES[:10] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
 GPU_CASES = {case_gpu_real_shape.__name__, case_gpu_graph_capture_and_back_to_back.__name__}
 
 
