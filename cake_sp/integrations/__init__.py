@@ -3,7 +3,7 @@
 * ``cake_sp.integrations.transformers.apply_ulysses``: the attention of Qwen3, Qwen2, Llama,
   Mistral and the Qwen3-MoE, Qwen2-MoE and Mixtral models;
 * ``cake_sp.integrations.diffusers.apply_ulysses``: the attention of FLUX's single- and
-  dual-stream blocks.
+  dual-stream blocks and of Qwen-Image's blocks.
 
 Each imports its library lazily.  ``close(model)`` releases every layer's buffers
 (collective, like the layers' construction).

@@ -1,4 +1,5 @@
-"""``apply_ulysses(model)``: Ulysses sequence parallelism for the attention of FLUX blocks.
+"""``apply_ulysses(model)``: Ulysses sequence parallelism for the attention of FLUX and
+Qwen-Image blocks.
 
 * The ``FluxAttention`` of every ``FluxSingleTransformerBlock`` becomes
   ``FluxUlyssesAttention``: a ``UlyssesAttention`` without o_proj (the block's
@@ -10,6 +11,10 @@
   ``add_q/k/v_proj``, ``norm_added_q/k``, ``to_add_out``; image: ``to_q/k/v``,
   ``norm_q/k``, ``to_out[0]``), whose head bands of the whole text and the whole image
   sequence are joined for one attention, then split again for the two output exchanges.
+* The attention of every ``QwenImageTransformerBlock`` becomes ``QwenImageUlyssesAttention``:
+  the same two streams (Qwen-Image's blocks are all dual-stream), the text padding mask
+  (``encoder_hidden_states_mask``) as a key mask of the joint attention, RoPE from
+  Qwen-Image's complex frequencies.
 
 Both take the call ``forward(hidden_states, encoder_hidden_states=None,
 attention_mask=None, image_rotary_emb=None)`` on this rank's tokens.  How the tokens are
@@ -23,16 +28,28 @@ sharded:
   by tokens (rank ``r``'s rows ``[r * S_local, (r + 1) * S_local)``, either part maybe
   empty) with ``image_rotary_emb`` for the whole sequence, of which it takes its rows.
 
+Qwen-Image shards as FLUX's whole transformer does: rank ``r`` passes its text tokens (with
+their rows of ``encoder_hidden_states_mask``) and its image tokens, and the whole
+``img_shapes``.  ``apply_ulysses`` of a whole ``QwenImageTransformer2DModel`` hooks its
+``pos_embed`` so that the frequencies are those of the whole text and image, of which each
+rank keeps its own rows.  Pad the text to a multiple of the world size with masked tokens.
+
 Attention is over all tokens at once, so the order of the gathered sequence does not
 matter, only that each token keeps its own RoPE row.
+
+``shard_calls(model)`` does the sharding for a caller that passes every rank the whole
+inputs (a pipeline): hooks split the inputs and all-gather the output.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cake_sp.integrations import LastInputs
@@ -41,6 +58,8 @@ from cake_sp.session.overlap import resolve_group
 
 # One table per transformer forward, shared by the blocks (they get the same embeddings).
 _ROPE_TABLE = LastInputs()
+# One joint key mask per transformer forward, likewise.
+_KEY_MASK = LastInputs()
 
 
 def _rope_table(image_rotary_emb: tuple[Tensor, Tensor]) -> Tensor:
@@ -50,6 +69,34 @@ def _rope_table(image_rotary_emb: tuple[Tensor, Tensor]) -> Tensor:
     cos, sin = image_rotary_emb
     return _ROPE_TABLE.get((cos, sin), (), lambda: torch.cat((cos[:, 0::2], sin[:, 0::2]),
                                                               dim=-1).float())
+
+
+def _complex_rope_table(txt_freqs: Tensor, img_freqs: Tensor) -> Tensor:
+    """fp32 ``[T + I, D]``: Qwen-Image's complex frequencies ``[T, D/2]`` and ``[I, D/2]``
+    (``cos + i sin`` of each pair ``(2i, 2i+1)``), text rows first, as the layer's table."""
+    def build():
+        rows = torch.cat((txt_freqs, img_freqs))
+        return torch.cat((rows.real, rows.imag), dim=-1).float()
+    return _ROPE_TABLE.get((txt_freqs, img_freqs), (), build)
+
+
+@torch.compiler.disable
+def _joint_key_mask(text_mask: Tensor, image_tokens: int, group) -> Tensor | None:
+    """bool ``[B, W * T_local + image_tokens]``: every rank's text mask ``[B, T_local]``, in
+    rank order, then the image tokens (never masked), the keys of the joint attention; None
+    where no key is masked.  A collective (an all-gather) and one host read, once per
+    transformer forward; eager under ``torch.compile``."""
+    def build():
+        local = text_mask.to(torch.uint8).contiguous()
+        world = dist.get_world_size(group)
+        gathered = local.new_empty(world * local.shape[0], local.shape[1])
+        dist.all_gather_into_tensor(gathered, local, group=group)
+        text = gathered.view(world, *local.shape).permute(1, 0, 2).flatten(1).bool()
+        if bool(text.all()):
+            return None
+        image = text.new_ones(text.shape[0], image_tokens)
+        return torch.cat((text, image), dim=1)
+    return _KEY_MASK.get((text_mask,), (image_tokens, group), build)
 
 
 def _position_rows(first: int, count: int, batch: int, device: torch.device) -> Tensor:
@@ -75,14 +122,15 @@ def _stream_layer(attn: nn.Module, projections: tuple[nn.Linear, nn.Linear, nn.L
     its ``q, k, v`` projections, its ``q, k`` RMSNorms and its output projection (None: no
     o_proj), interleaved RoPE, attention over every token."""
     weight = projections[0].weight
+    heads = attn.heads
     options = dict(group=group, max_tokens=max_tokens, qkv_bias=projections[0].bias is not None,
                    qk_norm=True, rope_style="interleaved", causal=False,
                    eps=norms[0].eps or torch.finfo(weight.dtype).eps, o_proj=out is not None,
                    o_bias=out is not None and out.bias is not None, device=weight.device,
                    dtype=weight.dtype)
     options.update(layer_options)
-    layer = UlyssesAttention(projections[0].in_features, attn.heads, attn.heads, attn.head_dim,
-                             **options)
+    layer = UlyssesAttention(projections[0].in_features, heads, heads,
+                             weight.shape[0] // heads, **options)
     with torch.no_grad():
         layer.qkv_weight.copy_(torch.cat([p.weight for p in projections]))
         if layer.qkv_bias is not None:
@@ -135,17 +183,18 @@ class FluxUlyssesAttention(nn.Module):
                           _positions(first, seq_local, batch, hidden_states.device))
 
 
-class FluxDualUlyssesAttention(nn.Module):
+class DualStreamUlyssesAttention(nn.Module):
     """A dual-stream block's attention on this rank's text and image tokens (``self.text``
-    and ``self.image`` own the weights), each stream split evenly over the ranks.
+    and ``self.image`` own the weights), each stream split evenly over the ranks: the
+    modules of FLUX's and Qwen-Image's dual-stream blocks, which differ in their calls only.
 
-    ``forward`` returns ``(image out [B, I_local, dim], text out [B, T_local, dim])`` like
-    diffusers' processor.  The joined bands are a copy of both streams' (``torch.cat``), and
-    the attention output is split by copies too.
+    The joined bands are a copy of both streams' (``torch.cat``), and the attention output
+    is split by copies too.
     """
 
     def __init__(self, attn: nn.Module, *, group=None, max_tokens: int, **layer_options) -> None:
         super().__init__()
+        self._group = resolve_group(group)
         stream = dict(group=group, max_tokens=max_tokens, **layer_options)
         self.image = _stream_layer(attn, (attn.to_q, attn.to_k, attn.to_v),
                                    (attn.norm_q, attn.norm_k), attn.to_out[0], **stream)
@@ -156,6 +205,29 @@ class FluxDualUlyssesAttention(nn.Module):
                                   share_backward_exchange=False, **stream)
         # diffusers' to_out[1] is a Dropout: applied to the image output as the processor does.
         self.dropout = attn.to_out[1]
+
+    def _attend_streams(self, hidden_states: Tensor, encoder_hidden_states: Tensor,
+                        table: Tensor, key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(image out [B, I_local, dim], text out [B, T_local, dim])`` from this rank's
+        image and text tokens; ``table``: fp32 ``[T_local + I_local, D]``, the text rows
+        first; ``key_mask``: bool over the joint sequence (every rank's text, then every
+        rank's image tokens) or None."""
+        text_local, image_local = encoder_hidden_states.shape[1], hidden_states.shape[1]
+        batch, device = hidden_states.shape[0], hidden_states.device
+        q_t, k_t, v_t = self.text.front_end(encoder_hidden_states, table,
+                                            _positions(0, text_local, batch, device))
+        q_i, k_i, v_i = self.image.front_end(hidden_states, table,
+                                             _positions(text_local, image_local, batch, device))
+        o = self.image.attend(torch.cat((q_t, q_i), 1), torch.cat((k_t, k_i), 1),
+                              torch.cat((v_t, v_i), 1), key_mask=key_mask)
+        o_t, o_i = o.split((q_t.shape[1], q_i.shape[1]), dim=1)
+        image_out = self.dropout(self.image.back_end(o_i.contiguous()))
+        return image_out, self.text.back_end(o_t.contiguous())
+
+
+class FluxDualUlyssesAttention(DualStreamUlyssesAttention):
+    """A FLUX dual-stream block's attention (``forward`` returns ``(image out, text out)``
+    like diffusers' processor)."""
 
     def forward(self, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
                 attention_mask: Tensor | None = None,
@@ -172,47 +244,191 @@ class FluxDualUlyssesAttention(nn.Module):
             raise ValueError(f"FluxDualUlyssesAttention needs image_rotary_emb with a row per "
                              f"local token, text first ({text_local} + {image_local}); got "
                              f"{rows}: pass each rank's own txt_ids and img_ids")
-        table = _rope_table(image_rotary_emb)
-        batch, device = hidden_states.shape[0], hidden_states.device
-        q_t, k_t, v_t = self.text.front_end(encoder_hidden_states, table,
-                                            _positions(0, text_local, batch, device))
-        q_i, k_i, v_i = self.image.front_end(hidden_states, table,
-                                             _positions(text_local, image_local, batch, device))
-        o = self.image.attend(torch.cat((q_t, q_i), 1), torch.cat((k_t, k_i), 1),
-                              torch.cat((v_t, v_i), 1))
-        o_t, o_i = o.split((q_t.shape[1], q_i.shape[1]), dim=1)
-        image_out = self.dropout(self.image.back_end(o_i.contiguous()))
-        return image_out, self.text.back_end(o_t.contiguous())
+        return self._attend_streams(hidden_states, encoder_hidden_states,
+                                    _rope_table(image_rotary_emb))
+
+
+class QwenImageUlyssesAttention(DualStreamUlyssesAttention):
+    """A ``QwenImageTransformerBlock``'s attention: ``forward(hidden_states,
+    encoder_hidden_states, encoder_hidden_states_mask=None, attention_mask=None,
+    image_rotary_emb=(img_freqs, txt_freqs))`` -> ``(image out, text out)`` like diffusers'
+    ``QwenDoubleStreamAttnProcessor2_0``.
+
+    ``encoder_hidden_states_mask`` ``[B, T_local]`` (nonzero: a real text token) masks the
+    text padding out of every query's keys: the ranks' masks are gathered once per
+    transformer forward (``_joint_key_mask``).  ``image_rotary_emb``: this rank's rows,
+    ``[I_local, D/2]`` and ``[T_local, D/2]`` complex, as the hooked ``pos_embed`` of a
+    whole transformer under ``apply_ulysses`` gives them.
+    """
+
+    def forward(self, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
+                encoder_hidden_states_mask: Tensor | None = None,
+                attention_mask: Tensor | None = None,
+                image_rotary_emb: tuple[Tensor, Tensor] | None = None,
+                **kwargs) -> tuple[Tensor, Tensor]:
+        if encoder_hidden_states is None or attention_mask is not None or kwargs:
+            raise ValueError("QwenImageUlyssesAttention takes hidden_states, "
+                             "encoder_hidden_states, encoder_hidden_states_mask and "
+                             "image_rotary_emb; got encoder_hidden_states="
+                             f"{encoder_hidden_states is not None}, attention_mask="
+                             f"{attention_mask is not None}, {sorted(kwargs)}")
+        batch, text_local = encoder_hidden_states.shape[:2]
+        image_local = hidden_states.shape[1]
+        rows = None if image_rotary_emb is None else tuple(f.shape[0] for f in image_rotary_emb)
+        if rows != (image_local, text_local):
+            raise ValueError(f"QwenImageUlyssesAttention needs image_rotary_emb with this "
+                             f"rank's rows (image, text) = ({image_local}, {text_local}); got "
+                             f"{rows}: apply_ulysses to the whole QwenImageTransformer2DModel "
+                             f"(its pos_embed then gives each rank its rows), or pass them")
+        key_mask = None
+        if encoder_hidden_states_mask is not None:
+            if tuple(encoder_hidden_states_mask.shape) != (batch, text_local):
+                raise ValueError(f"encoder_hidden_states_mask must have shape [B, T_local] = "
+                                 f"[{batch}, {text_local}], got "
+                                 f"{list(encoder_hidden_states_mask.shape)}")
+            key_mask = _joint_key_mask(encoder_hidden_states_mask,
+                                       self.image.session.world_size * image_local, self._group)
+        img_freqs, txt_freqs = image_rotary_emb
+        return self._attend_streams(hidden_states, encoder_hidden_states,
+                                    _complex_rope_table(txt_freqs, img_freqs), key_mask)
+
+
+def _shard_rope_rows(pos_embed: nn.Module, rank: int, world: int) -> None:
+    """Hook Qwen-Image's ``pos_embed(img_shapes, max_txt_seq_len=T_local)``: it computes the
+    frequencies of the whole text (``W * T_local`` tokens) and image, and returns this rank's
+    rows of each, ``(img_freqs [I / W], txt_freqs [T_local])``."""
+    def whole_text(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        if "max_txt_seq_len" in kwargs:  # as the transformer calls it
+            kwargs["max_txt_seq_len"] = int(kwargs["max_txt_seq_len"]) * world
+        else:  # forward(video_fhw, device, max_txt_seq_len)
+            args = (*args[:2], int(args[2]) * world, *args[3:])
+        return args, kwargs
+
+    def own_rows(module: nn.Module, args: tuple, kwargs: dict[str, Any], output):
+        img_freqs, txt_freqs = output
+        if img_freqs.shape[0] % world:
+            raise ValueError(f"Qwen-Image: the image has {img_freqs.shape[0]} tokens, not a "
+                             f"multiple of the world size {world}")
+        i, t = img_freqs.shape[0] // world, txt_freqs.shape[0] // world
+        return img_freqs[rank * i:(rank + 1) * i], txt_freqs[rank * t:(rank + 1) * t]
+
+    pos_embed.register_forward_pre_hook(whole_text, with_kwargs=True)
+    pos_embed.register_forward_hook(own_rows, with_kwargs=True)
 
 
 def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_options) -> nn.Module:
-    """Replace the attention of every ``FluxSingleTransformerBlock`` and ``FluxTransformerBlock``
-    in ``model`` (a FLUX transformer or one block) in place; every rank must call.  Returns
-    ``model``.
+    """Replace the attention of every ``FluxSingleTransformerBlock``, ``FluxTransformerBlock``
+    and ``QwenImageTransformerBlock`` in ``model`` (a FLUX or Qwen-Image transformer, or one
+    block) in place; every rank must call.  Returns ``model``.  A whole
+    ``QwenImageTransformer2DModel`` also gets its ``pos_embed`` hooked, so that each rank's
+    blocks receive its rows of the whole sequence's frequencies.
 
     ``max_tokens``: most rows ``B * S_local`` one call may have on a rank (of each stream,
-    in a dual-stream block).  Raises ``ValueError`` for a ``FluxAttention`` outside those
-    blocks, or when there is none of them.
+    in a dual-stream block).  Raises ``ValueError``, before replacing anything, for a
+    ``FluxAttention`` outside those blocks, when there is none of them, and for a Qwen-Image
+    transformer with ``zero_cond_t`` (its per-token modulation covers the whole image).
     """
     from diffusers.models.transformers.transformer_flux import (
         FluxAttention,
         FluxSingleTransformerBlock,
         FluxTransformerBlock,
     )
+    from diffusers.models.transformers.transformer_qwenimage import (
+        QwenImageTransformer2DModel,
+        QwenImageTransformerBlock,
+    )
 
     kinds = {FluxSingleTransformerBlock: FluxUlyssesAttention,
-             FluxTransformerBlock: FluxDualUlyssesAttention}
+             FluxTransformerBlock: FluxDualUlyssesAttention,
+             QwenImageTransformerBlock: QwenImageUlyssesAttention}
+    supported = "FluxSingleTransformerBlock, FluxTransformerBlock or QwenImageTransformerBlock"
     blocks = [(n, m) for n, m in model.named_modules() if type(m) in kinds]
     inside = {f"{n}.attn" if n else "attn" for n, _ in blocks}
     others = [n for n, m in model.named_modules()
               if isinstance(m, FluxAttention) and n not in inside]
     if others:
         raise ValueError(f"apply_ulysses: the attention at {others[:3]} is not inside a "
-                         "FluxSingleTransformerBlock or FluxTransformerBlock")
+                         f"{supported}")
     if not blocks:
-        raise ValueError(f"apply_ulysses: {type(model).__name__} has no "
-                         "FluxSingleTransformerBlock or FluxTransformerBlock")
+        raise ValueError(f"apply_ulysses: {type(model).__name__} has no {supported}")
+    qwen_image = isinstance(model, QwenImageTransformer2DModel)
+    if qwen_image and model.config.zero_cond_t:
+        raise ValueError("apply_ulysses: a QwenImageTransformer2DModel with zero_cond_t=True "
+                         "is not supported (its modulation index covers the whole image)")
+    rope_arguments = inspect.signature(model.pos_embed.forward).parameters if qwen_image else {}
+    if qwen_image and "max_txt_seq_len" not in rope_arguments:
+        raise ValueError("apply_ulysses: this diffusers' Qwen-Image pos_embed takes no "
+                         "max_txt_seq_len; install a diffusers whose does (0.42 does)")
     for _, block in blocks:
         block.attn = kinds[type(block)](block.attn, group=group, max_tokens=max_tokens,
                                         **layer_options)
+    if qwen_image:
+        resolved = resolve_group(group)
+        _shard_rope_rows(model.pos_embed, dist.get_rank(resolved),
+                         dist.get_world_size(resolved))
+    return model
+
+
+# shard_calls: per transformer class, its inputs split by image tokens and by text tokens
+# (name, token dimension), and whether the text may be padded with masked tokens.
+_SHARDED_INPUTS = {
+    "FluxTransformer2DModel": ((("hidden_states", 1), ("img_ids", -2)),
+                               (("encoder_hidden_states", 1), ("txt_ids", -2)), False),
+    "QwenImageTransformer2DModel": ((("hidden_states", 1),),
+                                    (("encoder_hidden_states", 1),
+                                     ("encoder_hidden_states_mask", 1)), True),
+}
+
+
+def shard_calls(model: nn.Module, group=None) -> nn.Module:
+    """Let every rank call ``model``, a FLUX or Qwen-Image transformer under
+    ``apply_ulysses``, with the whole inputs, as diffusers' pipelines do: a forward pre-hook
+    hands the model this rank's shard (the text and the image tokens each split evenly over
+    the ranks), and a forward hook gathers every rank's image tokens, so that each rank
+    returns the whole output.  Qwen-Image's text is first padded to a multiple of the world
+    size with masked tokens; FLUX's must split evenly.  Inputs by keyword, as the pipelines
+    pass them.  For inference: the gather is not differentiable.  Returns ``model``.
+    """
+    name = type(model).__name__
+    if name not in _SHARDED_INPUTS:
+        raise ValueError(f"shard_calls: {name} is not one of {sorted(_SHARDED_INPUTS)}")
+    image_inputs, text_inputs, pad_text = _SHARDED_INPUTS[name]
+    resolved = resolve_group(group)
+    rank, world = dist.get_rank(resolved), dist.get_world_size(resolved)
+
+    def own_rows(t: Tensor, dim: int) -> Tensor:
+        size = t.shape[dim] // world
+        return t.narrow(dim, rank * size, size)
+
+    def shard(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        if args:
+            raise TypeError(f"shard_calls: pass {name}'s inputs by keyword")
+        kwargs = dict(kwargs)
+        text = kwargs["encoder_hidden_states"]
+        pad = -text.shape[1] % world
+        if pad and pad_text:
+            mask = kwargs.get("encoder_hidden_states_mask")
+            if mask is None:
+                mask = torch.ones(text.shape[:2], dtype=torch.int64, device=text.device)
+            kwargs["encoder_hidden_states"] = F.pad(text, (0, 0, 0, pad))
+            kwargs["encoder_hidden_states_mask"] = F.pad(mask, (0, pad))
+        for key, dim in (*image_inputs, *text_inputs):
+            value = kwargs.get(key)
+            if value is None:
+                continue
+            if value.shape[dim] % world:
+                raise ValueError(f"shard_calls: {key} has {value.shape[dim]} tokens, not a "
+                                 f"multiple of the world size {world}")
+            kwargs[key] = own_rows(value, dim)
+        return (), kwargs
+
+    def gather(module: nn.Module, args: tuple, kwargs: dict[str, Any], output):
+        local = (output[0] if isinstance(output, tuple) else output.sample).contiguous()
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local, group=resolved)
+        whole = torch.cat(parts, dim=1)
+        return (whole, *output[1:]) if isinstance(output, tuple) else type(output)(sample=whole)
+
+    model.register_forward_pre_hook(shard, with_kwargs=True)
+    model.register_forward_hook(gather, with_kwargs=True)
     return model

@@ -475,19 +475,12 @@ def case_flux_dual_block_gradients(ctx):
             "bf16_rel_error": relative_error(attention_grads(bf16.attn), want)}
 
 
-def _check_flux_transformer(ctx, compiled: bool) -> dict:
-    """A whole FLUX transformer (a dual-stream and a single-stream block): each rank passes
-    its text and image tokens with their own ids, and gets its image tokens' output.
-    ``compiled``: the drop-in model under ``torch.compile(fullgraph=True)`` (inductor on a
-    GPU, aot_eager on the CPU), which raises on any graph break."""
+def _flux_transformer_problem(ctx):
+    """A random fp32 FLUX transformer (a dual-stream and a single-stream block, attention's
+    output projections scaled up) on ``ctx.device`` and its inputs: image latents
+    ``[2, 56, 16]`` (7 x 8), text ``[2, 8, 32]``, pooled text, a timestep of zero and the
+    whole sequence's ids (text first)."""
     from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
-
-    from cake_sp.integrations import close
-    from cake_sp.integrations.diffusers import (
-        FluxDualUlyssesAttention,
-        FluxUlyssesAttention,
-        apply_ulysses,
-    )
 
     torch.manual_seed(0)
     fp32 = FluxTransformer2DModel(in_channels=16, num_layers=1, num_single_layers=1,
@@ -500,17 +493,32 @@ def _check_flux_transformer(ctx, compiled: bool) -> dict:
             block.attn.to_add_out.weight.mul_(ATTENTION_GAIN)
         for block in fp32.single_transformer_blocks:
             block.proj_out.weight[:, :fp32.inner_dim].mul_(ATTENTION_GAIN)
-    bf16 = copy.deepcopy(fp32).bfloat16()
-    ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=128)
     g = torch.Generator().manual_seed(4)
     text, height, width, batch = 8, 7, 8, 2
-    image = height * width
-    img = torch.randn(batch, image, 16, generator=g).to(ctx.device)
+    img = torch.randn(batch, height * width, 16, generator=g).to(ctx.device)
     txt = torch.randn(batch, text, 32, generator=g).to(ctx.device)
     pooled = torch.randn(batch, 32, generator=g).to(ctx.device)
     # An exact time embedding in bf16: less noise to hide in.
     timestep = torch.zeros(batch, device=ctx.device)
-    ids = _flux_ids(text, height, width).to(ctx.device)
+    return fp32, img, txt, pooled, timestep, _flux_ids(text, height, width).to(ctx.device)
+
+
+def _check_flux_transformer(ctx, compiled: bool) -> dict:
+    """A whole FLUX transformer (a dual-stream and a single-stream block): each rank passes
+    its text and image tokens with their own ids, and gets its image tokens' output.
+    ``compiled``: the drop-in model under ``torch.compile(fullgraph=True)`` (inductor on a
+    GPU, aot_eager on the CPU), which raises on any graph break."""
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import (
+        FluxDualUlyssesAttention,
+        FluxUlyssesAttention,
+        apply_ulysses,
+    )
+
+    fp32, img, txt, pooled, timestep, ids = _flux_transformer_problem(ctx)
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=128)
+    text, image = txt.shape[1], img.shape[1]
     t_rows, i_rows, _ = _stream_shards(ctx, text, image)
 
     def run(model, dtype, txt_part, img_part, txt_ids, img_ids):
@@ -541,10 +549,172 @@ def case_flux_transformer_compiled(ctx):
     return _check_flux_transformer(ctx, compiled=True)
 
 
+def _qwen_image_problem(ctx):
+    """A random fp32 Qwen-Image transformer (two blocks, dim 256, 4 heads of 64; attention's
+    output projections scaled up as FLUX's above) on ``ctx.device``, and its inputs: image
+    latents ``[2, 24, 16]`` (4 x 6 patches), text ``[2, 16, 32]`` whose rows end in 10 and 13
+    padding tokens (``mask`` 0; random values, so that attending to them shows), a timestep of
+    zero (exact in bf16) and ``img_shapes``."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    fp32 = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4,
+                                       num_layers=2, attention_head_dim=64,
+                                       num_attention_heads=4, joint_attention_dim=32,
+                                       axes_dims_rope=(16, 24, 24)).to(ctx.device)
+    with torch.no_grad():
+        for block in fp32.transformer_blocks:
+            block.attn.to_out[0].weight.mul_(ATTENTION_GAIN)
+            block.attn.to_add_out.weight.mul_(ATTENTION_GAIN)
+    g = torch.Generator().manual_seed(11)
+    batch, text, height, width = 2, 16, 4, 6
+    img = torch.randn(batch, height * width, 16, generator=g).to(ctx.device)
+    txt = torch.randn(batch, text, 32, generator=g).to(ctx.device)
+    mask = torch.ones(batch, text, dtype=torch.int64)
+    mask[0, -10:] = mask[1, -13:] = 0
+    inputs = dict(timestep=torch.zeros(batch, device=ctx.device),
+                  img_shapes=[(1, height, width)] * batch, return_dict=False)
+    return fp32, img, txt, mask.to(ctx.device), inputs
+
+
+def _qwen_image_attention_grads(model, ours: bool) -> torch.Tensor:
+    """The attention weights' gradients of every block: the unmodified model's in the drop-in's
+    layout (q, k, v stacked, image stream first), or the drop-in's summed over the ranks.  The
+    last block's text output is not used: its projection has no gradient (zeros here)."""
+    def grad(p):
+        return torch.zeros_like(p) if p.grad is None else p.grad
+
+    grads = []
+    for block in model.transformer_blocks:
+        attn = block.attn
+        if ours:
+            grads += [grad(attn.image.qkv_weight), grad(attn.text.qkv_weight),
+                      grad(attn.image.o_weight), grad(attn.text.o_weight)]
+        else:
+            grads += [torch.cat([grad(p.weight) for p in (attn.to_q, attn.to_k, attn.to_v)]),
+                      torch.cat([grad(p.weight) for p in (attn.add_q_proj, attn.add_k_proj,
+                                                          attn.add_v_proj)]),
+                      grad(attn.to_out[0].weight), grad(attn.to_add_out.weight)]
+    flat = torch.cat([g.float().flatten() for g in grads])
+    if ours:
+        dist.all_reduce(flat)  # each rank's tokens' share of the gradient
+    return flat
+
+
+def _check_qwen_image(ctx, gradients: bool) -> dict:
+    """The whole Qwen-Image transformer with padded text: each rank passes its text tokens,
+    their mask rows and its image tokens, and gets its image tokens' output (``gradients``:
+    the attention weights' gradients of a weighted sum of it, fp32 master weights under bf16
+    autocast), against the unmodified model on the whole sequence with the same mask.  The
+    drop-in without the mask must be far off."""
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import QwenImageUlyssesAttention, apply_ulysses
+
+    fp32, img, txt, mask, inputs = _qwen_image_problem(ctx)
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    ours = apply_ulysses(copy.deepcopy(fp32 if gradients else bf16), max_tokens=64)
+    t_rows, i_rows, _ = _stream_shards(ctx, txt.shape[1], img.shape[1])
+    weights = torch.randn(img.shape[0], img.shape[1], 16,
+                          generator=torch.Generator().manual_seed(12)).to(ctx.device)
+
+    def run(model, dtype, txt_part, img_part, mask_part, loss_weights):
+        if not gradients:
+            with torch.no_grad():
+                return model(img_part.to(dtype), txt_part.to(dtype), mask_part,
+                             **inputs)[0].float()
+        out = model(img_part.to(dtype), txt_part.to(dtype), mask_part, **inputs)[0]
+        (out.float() * loss_weights).sum().backward()
+        return _qwen_image_attention_grads(model, model is ours)
+
+    want = run(fp32, torch.float32, txt, img, mask, weights)
+    peer = run(bf16, torch.bfloat16, txt, img, mask, weights)
+    if not gradients:
+        want, peer = want[:, i_rows], peer[:, i_rows]
+    own = (txt[:, t_rows], img[:, i_rows])
+    with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=gradients):
+        got = run(ours, torch.float32 if gradients else torch.bfloat16, *own, mask[:, t_rows],
+                  weights[:, i_rows])
+        if gradients:
+            ours.zero_grad()
+        unmasked = run(ours, torch.float32 if gradients else torch.bfloat16, *own, None,
+                       weights[:, i_rows])
+    replaced = sum(isinstance(m, QwenImageUlyssesAttention) for m in ours.modules())
+    close(ours)
+    return {"replaced": replaced, "rel_error": relative_error(got, want),
+            "bf16_rel_error": relative_error(peer, want),
+            "unmasked_rel_error": relative_error(unmasked, want)}
+
+
+def case_qwen_image_transformer(ctx):
+    return _check_qwen_image(ctx, gradients=False)
+
+
+def case_qwen_image_transformer_gradients(ctx):
+    return _check_qwen_image(ctx, gradients=True)
+
+
+def _check_whole_calls(ctx, model, calls, *, max_tokens: int) -> dict:
+    """``model`` (fp32) under ``apply_ulysses`` and ``shard_calls``, called on every rank with
+    the whole inputs of each of ``calls`` (keyword dicts), against the unmodified model: the
+    worst call's whole output."""
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import (
+        DualStreamUlyssesAttention,
+        FluxUlyssesAttention,
+        apply_ulysses,
+        shard_calls,
+    )
+
+    bf16 = copy.deepcopy(model).bfloat16()
+    ours = shard_calls(apply_ulysses(copy.deepcopy(bf16), max_tokens=max_tokens))
+
+    activations = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
+
+    def run(module, dtype, call):
+        cast = {k: v.to(dtype) if k in activations else v for k, v in call.items()}
+        with torch.no_grad():
+            out = module(**cast)
+        return (out[0] if isinstance(out, tuple) else out.sample).float()
+
+    worst = {}
+    for call in calls:
+        want = run(model, torch.float32, call)
+        errors = {"rel_error": relative_error(run(ours, torch.bfloat16, call), want),
+                  "bf16_rel_error": relative_error(run(bf16, torch.bfloat16, call), want)}
+        if not worst or errors["rel_error"] / errors["bf16_rel_error"] > (
+                worst["rel_error"] / worst["bf16_rel_error"]):
+            worst = errors
+    replaced = sum(isinstance(m, (FluxUlyssesAttention, DualStreamUlyssesAttention))
+                   for m in ours.modules())
+    close(ours)
+    return {"replaced": replaced, **worst}
+
+
+def case_flux_transformer_whole_calls(ctx):
+    """Every rank calls the FLUX transformer with the whole inputs, as a pipeline does."""
+    fp32, img, txt, pooled, timestep, ids = _flux_transformer_problem(ctx)
+    text = txt.shape[1]
+    call = dict(hidden_states=img, encoder_hidden_states=txt, pooled_projections=pooled,
+                timestep=timestep, img_ids=ids[text:], txt_ids=ids[:text])
+    return _check_whole_calls(ctx, fp32, [{**call, "return_dict": False},
+                                          {**call, "return_dict": True}], max_tokens=128)
+
+
+def case_qwen_image_whole_calls(ctx):
+    """Every rank calls the Qwen-Image transformer with the whole inputs: 13 text tokens (not
+    a multiple of W: padded by ``shard_calls``), without a mask and with one."""
+    fp32, img, txt, mask, inputs = _qwen_image_problem(ctx)
+    call = dict(hidden_states=img, encoder_hidden_states=txt[:, :13], **inputs)
+    return _check_whole_calls(ctx, fp32, [call, {**call, "return_dict": True,
+                                                 "encoder_hidden_states_mask": mask[:, :13]}],
+                              max_tokens=64)
+
+
 def case_flux_bad_inputs_raise(ctx):
-    """The dual-stream attention raises, on every rank before any exchange, on the whole
-    sequence's RoPE table (it needs each rank's own rows) and without the text tokens; a
-    model with neither FLUX block raises in apply_ulysses."""
+    """The dual-stream attentions raise, on every rank before any exchange, on the whole
+    sequence's RoPE rows (they need each rank's own), without the text tokens, and (Qwen-Image)
+    on a mask of the whole text; apply_ulysses raises for a model with no supported block and
+    for a Qwen-Image transformer with ``zero_cond_t``."""
     from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
     from cake_sp.integrations import close
@@ -569,6 +739,35 @@ def case_flux_bad_inputs_raise(ctx):
     except ValueError as exc:
         report["model"] = str(exc)
     close(ours)
+    # Qwen-Image: a lone block given the whole sequence's frequencies, a mask of the whole
+    # text, and a model whose modulation covers the whole image.
+    fp32, img, txt, mask, inputs = _qwen_image_problem(ctx)
+    t_rows, i_rows, _ = _stream_shards(ctx, txt.shape[1], img.shape[1])
+    attn = apply_ulysses(fp32.transformer_blocks[0], max_tokens=64).attn
+    local = [torch.randn(2, n // ctx.world_size, fp32.inner_dim, device=ctx.device)
+             for n in (img.shape[1], txt.shape[1])]
+    whole = fp32.pos_embed(inputs["img_shapes"], max_txt_seq_len=txt.shape[1],
+                           device=ctx.device)
+    own = (whole[0][i_rows], whole[1][t_rows])
+    for name, call in (
+            ("qwen whole rows", lambda: attn(*local, image_rotary_emb=whole)),
+            ("qwen whole mask", lambda: attn(*local, encoder_hidden_states_mask=mask,
+                                             image_rotary_emb=own))):
+        try:
+            call()
+            report[name] = "no error"
+        except ValueError as exc:
+            report[name] = str(exc)
+    close(fp32)
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+    try:
+        apply_ulysses(QwenImageTransformer2DModel(
+            in_channels=16, out_channels=4, num_layers=1, attention_head_dim=64,
+            num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(16, 24, 24),
+            zero_cond_t=True), max_tokens=8)
+        report["qwen zero_cond_t"] = "no error"
+    except ValueError as exc:
+        report["qwen zero_cond_t"] = str(exc)
     return report
 
 
@@ -673,7 +872,9 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_qwen2_logits, case_llama_logits, case_qwen3_moe_logits,
                 case_qwen2_moe_logits, case_mistral_logits, case_mixtral_logits,
                 case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
-                case_flux_transformer, case_flux_transformer_compiled]
+                case_flux_transformer, case_flux_transformer_compiled,
+                case_qwen_image_transformer, case_qwen_image_transformer_gradients,
+                case_flux_transformer_whole_calls, case_qwen_image_whole_calls]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
@@ -694,6 +895,9 @@ def _check_outputs(world, name, per_rank) -> str:
     if "unpacked_rel_error" in per_rank[0]:  # the sequences must matter on some rank
         farthest = max(r["unpacked_rel_error"] / r["bf16_rel_error"] for r in per_rank)
         assert farthest > 10, f"W={world} {name}: one sequence per row gives the same logits"
+    if "unmasked_rel_error" in per_rank[0]:  # so must the mask (9-11x on the CPU, ~1x with it)
+        farthest = max(r["unmasked_rel_error"] / r["bf16_rel_error"] for r in per_rank)
+        assert farthest > 5, f"W={world} {name}: without the mask the same outputs"
     worst = max(per_rank, key=lambda r: r["rel_error"] / r["bf16_rel_error"])
     return (f"relative error {worst['rel_error']:.2e} (unmodified bf16 on the same rank: "
             f"{worst['bf16_rel_error']:.2e})")
@@ -719,8 +923,12 @@ def _check_flux_bad_inputs(world, name, per_rank) -> str:
     for r in per_rank:
         assert "pass each rank's own txt_ids and img_ids" in r["whole table"], r["whole table"]
         assert "encoder_hidden_states=False" in r["no text"], r["no text"]
-        assert "has no FluxSingleTransformerBlock or FluxTransformerBlock" in r["model"], r
-    return "whole-sequence table, missing text tokens and a model without FLUX blocks raised"
+        assert "has no FluxSingleTransformerBlock, FluxTransformerBlock or" in r["model"], r
+        assert "rows (image, text) = (" in r["qwen whole rows"], r["qwen whole rows"]
+        assert "must have shape [B, T_local] = [2, " in r["qwen whole mask"], r
+        assert "zero_cond_t=True is not supported" in r["qwen zero_cond_t"], r
+    return ("whole-sequence tables, missing text tokens, a whole text's mask and models "
+            "without supported blocks or with zero_cond_t raised")
 
 
 def _curve_distance(a: list[float], b: list[float]) -> float:
