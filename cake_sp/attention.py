@@ -22,10 +22,12 @@ and shape) with a block mask of the sequences (built once per distinct ``cu_seql
 the CPU in one SDPA call per sequence.  Rows of one sequence each take the unpacked path.
 
 Key masks.  ``key_mask [B, S]`` (True: a key the row's queries may attend to; padding of a
-text encoder's tokens, for instance) goes to SDPA as a boolean mask, whatever the backend:
-flash-attn takes no mask, and PyTorch picks a kernel that does (memory-efficient or math).
-A query left with no key (every key masked, or every earlier one if causal) gets what
-SDPA gives there.
+text encoder's tokens, for instance) goes to SDPA as a boolean mask ``[B, 1, 1, S]``
+whatever the backend (flash-attn takes no mask; PyTorch picks its memory-efficient kernel),
+except where SDPA would fall back to its math kernel or need the ``S x S`` mask: GQA or
+causal calls on a GPU take ``flex_attention`` with a block mask of the keys (built per call:
+the mask's values change from call to call).  A query left with no key (every key masked,
+or every earlier one if causal) gets what the kernel gives there.
 """
 
 from __future__ import annotations
@@ -137,6 +139,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: f
     ``check_key_mask``; not with ``cu_seqlens``) no query attends to a masked key."""
     batch, seq = q.shape[:2]
     if key_mask is not None:
+        if q.device.type == "cuda" and (causal or q.shape[2] != k.shape[2]):
+            return _flex_attention(q, k, v, softmax_scale,
+                                   _key_block_mask(key_mask, causal))
         return _sdpa(q, k, v, causal, softmax_scale, key_mask)
     if cu_seqlens is not None and cu_seqlens != row_bounds(batch, seq):
         return _packed_attention(q, k, v, causal, softmax_scale, backend, cu_seqlens)
@@ -173,7 +178,8 @@ def _packed_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool,
                                    softmax_scale=softmax_scale, causal=causal)
         return o.view(batch, seq, *o.shape[1:])
     if q.device.type == "cuda":
-        return _flex_attention(q, k, v, causal, softmax_scale, cu_seqlens)
+        return _flex_attention(q, k, v, softmax_scale,
+                               _document_mask(cu_seqlens, batch, seq, causal, q.device))
     # The CPU (tests): one SDPA call per sequence.
     tokens = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
     o = torch.cat([_sdpa(*(t[None, a:b] for t in tokens), causal, softmax_scale)[0]
@@ -181,10 +187,8 @@ def _packed_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool,
     return o.view(batch, seq, *o.shape[1:])
 
 
-def _flex_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None,
-                    cu_seqlens: tuple[int, ...]) -> Tensor:
-    batch, seq = q.shape[:2]
-    block_mask = _document_mask(cu_seqlens, batch, seq, causal, q.device)
+def _flex_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None,
+                    block_mask) -> Tensor:
     o = _compiled("flex_attention")(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
         scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
@@ -205,6 +209,19 @@ def _compiled(name: str):
     eager flex attention materialises the scores, eager block masks the whole ``S x S`` mask)."""
     from torch.nn.attention import flex_attention
     return torch.compile(getattr(flex_attention, name), dynamic=False)
+
+
+def _key_block_mask(key_mask: Tensor, causal: bool):
+    """flex attention's ``BlockMask`` of the keys ``key_mask [B, S]`` lets through (and
+    earlier ones only, if ``causal``)."""
+    batch, seq = key_mask.shape
+
+    def key_kept(b, h, q_idx, kv_idx):
+        keep = key_mask[b, kv_idx]
+        return keep & (q_idx >= kv_idx) if causal else keep
+
+    return _compiled("create_block_mask")(key_kept, batch, None, seq, seq,
+                                          device=key_mask.device)
 
 
 @functools.lru_cache(maxsize=4)

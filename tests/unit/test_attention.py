@@ -1,5 +1,7 @@
-"""The attention core's packed sequences (``cu_seqlens``) on the CPU: the argument's checks,
-and the per-sequence SDPA path against one dense SDPA call with the block-diagonal mask."""
+"""The attention core's packed sequences (``cu_seqlens``) and key masks on the CPU: the
+arguments' checks, the per-sequence SDPA path against one dense SDPA call with the
+block-diagonal mask, the key mask against a dense one, and the GPU's flex-attention paths
+run eagerly."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cake_sp.attention import attention, check_cu_seqlens
+from cake_sp.attention import attention, check_cu_seqlens, check_key_mask
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -73,7 +75,8 @@ def test_the_gpu_path_block_mask_keeps_each_sequence_apart(causal, monkeypatch):
     cu_seqlens = (0, 100, 129, 130, seq, seq + 200, 2 * seq)
     with warnings.catch_warnings():  # flex attention's note (once) that eager is unfused
         warnings.simplefilter("ignore", UserWarning)
-        got = core._flex_attention(q, k, v, causal, 0.3, cu_seqlens)
+        got = core._flex_attention(q, k, v, 0.3,
+                                   core._document_mask(cu_seqlens, batch, seq, causal, q.device))
     want = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa",
                      cu_seqlens=cu_seqlens)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -88,3 +91,69 @@ def test_flash_varlen_bounds_are_copied_once_per_cu_seqlens():
     assert first[0].dtype == torch.int32 and first[0].tolist() == [0, 3, 4, 9]
     assert first[1] == 5
     assert core._varlen_bounds((0, 3, 4, 9), torch.device("cpu"))[0] is first[0]
+
+
+def _random_key_mask(g: torch.Generator, batch: int, seq: int) -> torch.Tensor:
+    mask = torch.rand(batch, seq, generator=g) > 0.4
+    mask[:, 0] = True  # every causal query keeps a key
+    return mask
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_key_mask_matches_a_dense_mask(causal):
+    g = torch.Generator().manual_seed(3)
+    batch, seq, hq, hkv, d = 2, 13, 4, 2, 8
+    q, k, v = (torch.randn(batch, seq, h, d, generator=g, dtype=torch.float64)
+               for h in (hq, hkv, hkv))
+    mask = _random_key_mask(g, batch, seq)
+    got = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa",
+                    key_mask=check_key_mask(mask.long(), batch=batch, seq=seq,
+                                            device=q.device))
+    allowed = mask.view(batch, 1, 1, seq).expand(batch, 1, seq, seq)
+    if causal:
+        allowed = allowed & torch.ones(seq, seq, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2),
+        v.repeat_interleave(2, 2).transpose(1, 2), attn_mask=allowed, scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    plain = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa")
+    assert not torch.allclose(got, plain)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_gpu_key_mask_path_keeps_the_masked_keys_out(causal, monkeypatch):
+    """The GPU's path for causal or GQA key masks (flex attention over the keys' block mask),
+    run eagerly on the CPU, against the SDPA path: rows of 300 tokens (not whole blocks)."""
+    from torch.nn.attention import flex_attention
+
+    import cake_sp.attention as core
+
+    monkeypatch.setattr(core, "_compiled", lambda name: getattr(flex_attention, name))
+    g = torch.Generator().manual_seed(4)
+    batch, seq = 2, 300
+    q = torch.randn(batch, seq, 4, 16, generator=g)
+    k, v = (torch.randn(batch, seq, 2, 16, generator=g) for _ in range(2))
+    mask = _random_key_mask(g, batch, seq)
+    with warnings.catch_warnings():  # flex attention's note (once) that eager is unfused
+        warnings.simplefilter("ignore", UserWarning)
+        got = core._flex_attention(q, k, v, 0.3, core._key_block_mask(mask, causal))
+    want = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa", key_mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("key_mask,message", [
+    (torch.ones(2, 4), "bool or integer tensor"),
+    ([[True] * 4] * 2, "bool or integer tensor"),
+    (torch.ones(2, 5, dtype=torch.bool), "[B, S] = [2, 4] (S the whole sequence), got [2, 5]"),
+    (torch.ones(1, 2, 4, dtype=torch.bool), "got [1, 2, 4]"),
+    (torch.ones(2, 4, dtype=torch.bool, device="meta"), "must be on cpu, got meta"),
+])
+def test_key_mask_errors_name_the_argument(key_mask, message):
+    with pytest.raises(ValueError, match="key_mask") as info:
+        check_key_mask(key_mask, batch=2, seq=4, device=torch.device("cpu"))
+    assert message in str(info.value)
+
+
+def test_integer_key_masks_become_bool():
+    mask = check_key_mask(torch.tensor([[0, 2, 1]]), batch=1, seq=3, device=torch.device("cpu"))
+    assert mask.dtype == torch.bool and mask.tolist() == [[False, True, True]]
