@@ -84,18 +84,17 @@ def _complex_rope_table(txt_freqs: Tensor, img_freqs: Tensor) -> Tensor:
 def _joint_key_mask(text_mask: Tensor, image_tokens: int, group) -> Tensor | None:
     """bool ``[B, W * T_local + image_tokens]``: every rank's text mask ``[B, T_local]``, in
     rank order, then the image tokens (never masked), the keys of the joint attention; None
-    where no key is masked.  A collective (an all-gather) and one host read, once per
-    transformer forward; eager under ``torch.compile``."""
+    where no key is masked.  A collective and one host read, once per transformer forward;
+    eager under ``torch.compile``.  Gathered as host objects (the masks are small), as any
+    backend of the group can (the transformers drop-in's bounds likewise)."""
     def build():
-        local = text_mask.to(torch.uint8).contiguous()
-        world = dist.get_world_size(group)
-        gathered = local.new_empty(world * local.shape[0], local.shape[1])
-        dist.all_gather_into_tensor(gathered, local, group=group)
-        text = gathered.view(world, *local.shape).permute(1, 0, 2).flatten(1).bool()
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, text_mask.bool().cpu(), group=group)
+        text = torch.cat(parts, dim=1)
         if bool(text.all()):
             return None
         image = text.new_ones(text.shape[0], image_tokens)
-        return torch.cat((text, image), dim=1)
+        return torch.cat((text, image), dim=1).to(text_mask.device)
     return _KEY_MASK.get((text_mask,), (image_tokens, group), build)
 
 
