@@ -16,7 +16,7 @@ Qwen-Image blocks.
   (``encoder_hidden_states_mask``) as a key mask of the joint attention, RoPE from
   Qwen-Image's complex frequencies.
 
-Both take the call ``forward(hidden_states, encoder_hidden_states=None,
+FLUX's two take the call ``forward(hidden_states, encoder_hidden_states=None,
 attention_mask=None, image_rotary_emb=None)`` on this rank's tokens.  How the tokens are
 sharded:
 
