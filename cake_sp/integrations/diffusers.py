@@ -81,21 +81,38 @@ def _complex_rope_table(txt_freqs: Tensor, img_freqs: Tensor) -> Tensor:
 
 
 @torch.compiler.disable
-def _joint_key_mask(text_mask: Tensor, image_tokens: int, group) -> Tensor | None:
-    """bool ``[B, W * T_local + image_tokens]``: every rank's text mask ``[B, T_local]``, in
-    rank order, then the image tokens (never masked), the keys of the joint attention; None
-    where no key is masked.  A collective and one host read, once per transformer forward;
-    eager under ``torch.compile``.  Gathered as host objects (the masks are small), as any
+def _joint_key_mask(text_mask: Tensor | None, text_shape: tuple[int, int], image_tokens: int,
+                    image_padding: int, group, device: torch.device) -> Tensor | None:
+    """bool ``[B, T + I]``, the keys of the joint attention: every rank's text mask ``[B,
+    T_local]`` in rank order (``text_shape`` is ``(B, T)``; all kept without one), then the
+    ``I`` image tokens, of which the last ``image_padding`` are masked; None where no key is.
+    With a text mask, a collective and one host read, once per transformer forward; eager
+    under ``torch.compile``.  The masks are gathered as host objects (they are small), as any
     backend of the group can (the transformers drop-in's bounds likewise)."""
     def build():
-        parts = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, text_mask.bool().cpu(), group=group)
-        text = torch.cat(parts, dim=1)
-        if bool(text.all()):
+        text = torch.ones(text_shape, dtype=torch.bool)
+        if text_mask is not None:
+            parts = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, text_mask.bool().cpu(), group=group)
+            text = torch.cat(parts, dim=1)
+        if not image_padding and bool(text.all()):
             return None
         image = text.new_ones(text.shape[0], image_tokens)
-        return torch.cat((text, image), dim=1).to(text_mask.device)
-    return _KEY_MASK.get((text_mask,), (image_tokens, group), build)
+        image[:, image_tokens - image_padding:] = False
+        return torch.cat((text, image), dim=1).to(device)
+    tensors = () if text_mask is None else (text_mask,)
+    return _KEY_MASK.get(tensors, (text_shape, image_tokens, image_padding, group, device),
+                         build)
+
+
+class _ImagePadding:
+    """Tokens of padding after the whole image sequence of the current call, which
+    ``shard_calls`` adds to Qwen-Image's image tokens so that they split evenly (0 outside its
+    calls): the hooked ``pos_embed`` gives them identity rotations, and the attention masks
+    them as keys.  One object shared by a transformer's hook and attention modules."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
 
 
 def _position_rows(first: int, count: int, batch: int, device: torch.device) -> Tensor:
@@ -257,8 +274,13 @@ class QwenImageUlyssesAttention(DualStreamUlyssesAttention):
     text padding out of every query's keys: the ranks' masks are gathered once per
     transformer forward (``_joint_key_mask``).  ``image_rotary_emb``: this rank's rows,
     ``[I_local, D/2]`` and ``[T_local, D/2]`` complex, as the hooked ``pos_embed`` of a
-    whole transformer under ``apply_ulysses`` gives them.
+    whole transformer under ``apply_ulysses`` gives them.  ``image_padding``: the image
+    tokens ``shard_calls`` added (masked as keys).
     """
+
+    def __init__(self, attn: nn.Module, **options) -> None:
+        super().__init__(attn, **options)
+        self.image_padding = _ImagePadding()
 
     def forward(self, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
                 encoder_hidden_states_mask: Tensor | None = None,
@@ -279,23 +301,28 @@ class QwenImageUlyssesAttention(DualStreamUlyssesAttention):
                              f"rank's rows (image, text) = ({image_local}, {text_local}); got "
                              f"{rows}: apply_ulysses to the whole QwenImageTransformer2DModel "
                              f"(its pos_embed then gives each rank its rows), or pass them")
+        if encoder_hidden_states_mask is not None and (
+                tuple(encoder_hidden_states_mask.shape) != (batch, text_local)):
+            raise ValueError(f"encoder_hidden_states_mask must have shape [B, T_local] = "
+                             f"[{batch}, {text_local}], got "
+                             f"{list(encoder_hidden_states_mask.shape)}")
         key_mask = None
-        if encoder_hidden_states_mask is not None:
-            if tuple(encoder_hidden_states_mask.shape) != (batch, text_local):
-                raise ValueError(f"encoder_hidden_states_mask must have shape [B, T_local] = "
-                                 f"[{batch}, {text_local}], got "
-                                 f"{list(encoder_hidden_states_mask.shape)}")
-            key_mask = _joint_key_mask(encoder_hidden_states_mask,
-                                       self.image.session.world_size * image_local, self._group)
+        if encoder_hidden_states_mask is not None or self.image_padding.tokens:
+            world = self.image.session.world_size
+            key_mask = _joint_key_mask(encoder_hidden_states_mask, (batch, world * text_local),
+                                       world * image_local, self.image_padding.tokens,
+                                       self._group, hidden_states.device)
         img_freqs, txt_freqs = image_rotary_emb
         return self._attend_streams(hidden_states, encoder_hidden_states,
                                     _complex_rope_table(txt_freqs, img_freqs), key_mask)
 
 
-def _shard_rope_rows(pos_embed: nn.Module, rank: int, world: int) -> None:
+def _shard_rope_rows(pos_embed: nn.Module, rank: int, world: int,
+                     padding: _ImagePadding) -> None:
     """Hook Qwen-Image's ``pos_embed(img_shapes, max_txt_seq_len=T_local)``: it computes the
-    frequencies of the whole text (``W * T_local`` tokens) and image, and returns this rank's
-    rows of each, ``(img_freqs [I / W], txt_freqs [T_local])``."""
+    frequencies of the whole text (``W * T_local`` tokens) and image (and identity rotations
+    for ``padding.tokens`` more), and returns this rank's rows of each, ``(img_freqs [I / W],
+    txt_freqs [T_local])``."""
     def whole_text(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         if "max_txt_seq_len" in kwargs:  # as the transformer calls it
             kwargs["max_txt_seq_len"] = int(kwargs["max_txt_seq_len"]) * world
@@ -305,9 +332,12 @@ def _shard_rope_rows(pos_embed: nn.Module, rank: int, world: int) -> None:
 
     def own_rows(module: nn.Module, args: tuple, kwargs: dict[str, Any], output):
         img_freqs, txt_freqs = output
-        if img_freqs.shape[0] % world:
+        if (img_freqs.shape[0] + padding.tokens) % world:
             raise ValueError(f"Qwen-Image: the image has {img_freqs.shape[0]} tokens, not a "
-                             f"multiple of the world size {world}")
+                             f"multiple of the world size {world} (shard_calls pads it)")
+        if padding.tokens:
+            img_freqs = torch.cat((img_freqs, img_freqs.new_ones(padding.tokens,
+                                                                 img_freqs.shape[1])))
         i, t = img_freqs.shape[0] // world, txt_freqs.shape[0] // world
         return img_freqs[rank * i:(rank + 1) * i], txt_freqs[rank * t:(rank + 1) * t]
 
@@ -361,15 +391,18 @@ def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_opti
     for _, block in blocks:
         block.attn = kinds[type(block)](block.attn, group=group, max_tokens=max_tokens,
                                         **layer_options)
-    if qwen_image:
+    if qwen_image:  # one padding for the hook and every block of the transformer
+        padding = _ImagePadding()
+        for _, block in blocks:
+            block.attn.image_padding = padding
         resolved = resolve_group(group)
         _shard_rope_rows(model.pos_embed, dist.get_rank(resolved),
-                         dist.get_world_size(resolved))
+                         dist.get_world_size(resolved), padding)
     return model
 
 
 # shard_calls: per transformer class, its inputs split by image tokens and by text tokens
-# (name, token dimension), and whether the text may be padded with masked tokens.
+# (name, token dimension), and whether they may be padded with masked tokens (Qwen-Image).
 _SHARDED_INPUTS = {
     "FluxTransformer2DModel": ((("hidden_states", 1), ("img_ids", -2)),
                                (("encoder_hidden_states", 1), ("txt_ids", -2)), False),
@@ -384,16 +417,23 @@ def shard_calls(model: nn.Module, group=None) -> nn.Module:
     ``apply_ulysses``, with the whole inputs, as diffusers' pipelines do: a forward pre-hook
     hands the model this rank's shard (the text and the image tokens each split evenly over
     the ranks), and a forward hook gathers every rank's image tokens, so that each rank
-    returns the whole output.  Qwen-Image's text is first padded to a multiple of the world
-    size with masked tokens; FLUX's must split evenly.  Inputs by keyword, as the pipelines
-    pass them.  For inference: the gather is not differentiable.  Returns ``model``.
+    returns the whole output.  Qwen-Image's text and image tokens are first padded to a
+    multiple of the world size with tokens masked as keys (the image's dropped from the
+    output); FLUX's must split evenly.  Inputs by keyword, as the pipelines pass them.  For
+    inference: the gather is not differentiable.  Returns ``model``.
     """
     name = type(model).__name__
     if name not in _SHARDED_INPUTS:
         raise ValueError(f"shard_calls: {name} is not one of {sorted(_SHARDED_INPUTS)}")
-    image_inputs, text_inputs, pad_text = _SHARDED_INPUTS[name]
+    image_inputs, text_inputs, pads = _SHARDED_INPUTS[name]
     resolved = resolve_group(group)
     rank, world = dist.get_rank(resolved), dist.get_world_size(resolved)
+    if not any(isinstance(m, (FluxUlyssesAttention, DualStreamUlyssesAttention))
+               for m in model.modules()):
+        raise ValueError(f"shard_calls: {name} has no replaced attention: apply_ulysses first")
+    padding = next((m.image_padding for m in model.modules()
+                    if isinstance(m, QwenImageUlyssesAttention)), None)
+    image_tokens = []  # the current call's, before padding
 
     def own_rows(t: Tensor, dim: int) -> Tensor:
         size = t.shape[dim] // world
@@ -403,14 +443,18 @@ def shard_calls(model: nn.Module, group=None) -> nn.Module:
         if args:
             raise TypeError(f"shard_calls: pass {name}'s inputs by keyword")
         kwargs = dict(kwargs)
-        text = kwargs["encoder_hidden_states"]
-        pad = -text.shape[1] % world
-        if pad and pad_text:
-            mask = kwargs.get("encoder_hidden_states_mask")
-            if mask is None:
-                mask = torch.ones(text.shape[:2], dtype=torch.int64, device=text.device)
-            kwargs["encoder_hidden_states"] = F.pad(text, (0, 0, 0, pad))
-            kwargs["encoder_hidden_states_mask"] = F.pad(mask, (0, pad))
+        image, text = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
+        image_tokens[:] = [image.shape[1]]
+        if pads:
+            pad = -text.shape[1] % world
+            if pad:
+                mask = kwargs.get("encoder_hidden_states_mask")
+                if mask is None:
+                    mask = torch.ones(text.shape[:2], dtype=torch.int64, device=text.device)
+                kwargs["encoder_hidden_states"] = F.pad(text, (0, 0, 0, pad))
+                kwargs["encoder_hidden_states_mask"] = F.pad(mask, (0, pad))
+            padding.tokens = -image.shape[1] % world
+            kwargs["hidden_states"] = F.pad(image, (0, 0, 0, padding.tokens))
         for key, dim in (*image_inputs, *text_inputs):
             value = kwargs.get(key)
             if value is None:
@@ -425,7 +469,9 @@ def shard_calls(model: nn.Module, group=None) -> nn.Module:
         local = (output[0] if isinstance(output, tuple) else output.sample).contiguous()
         parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local, group=resolved)
-        whole = torch.cat(parts, dim=1)
+        whole = torch.cat(parts, dim=1)[:, :image_tokens[0]]
+        if padding is not None:
+            padding.tokens = 0
         return (whole, *output[1:]) if isinstance(output, tuple) else type(output)(sample=whole)
 
     model.register_forward_pre_hook(shard, with_kwargs=True)

@@ -702,12 +702,16 @@ def case_flux_transformer_whole_calls(ctx):
 
 def case_qwen_image_whole_calls(ctx):
     """Every rank calls the Qwen-Image transformer with the whole inputs: 13 text tokens (not
-    a multiple of W: padded by ``shard_calls``), without a mask and with one."""
+    a multiple of W: padded by ``shard_calls``), without a mask and with one; then a 5 x 5
+    image (25 tokens: padded too)."""
     fp32, img, txt, mask, inputs = _qwen_image_problem(ctx)
     call = dict(hidden_states=img, encoder_hidden_states=txt[:, :13], **inputs)
-    return _check_whole_calls(ctx, fp32, [call, {**call, "return_dict": True,
-                                                 "encoder_hidden_states_mask": mask[:, :13]}],
-                              max_tokens=64)
+    odd = torch.randn(img.shape[0], 25, img.shape[2],
+                      generator=torch.Generator().manual_seed(13)).to(ctx.device)
+    return _check_whole_calls(ctx, fp32, [
+        call, {**call, "return_dict": True, "encoder_hidden_states_mask": mask[:, :13]},
+        {**call, "hidden_states": odd, "img_shapes": [(1, 5, 5)] * img.shape[0]}],
+        max_tokens=64)
 
 
 def case_flux_bad_inputs_raise(ctx):
