@@ -14,12 +14,22 @@ import torch.nn.functional as F
 from cake_sp.attention import attention, check_cu_seqlens, check_key_mask
 
 
+def _gqa_inputs(g: torch.Generator, batch: int, seq: int):
+    """float64 ``q [B, S, 4, 8]``, ``k, v [B, S, 2, 8]``."""
+    return (torch.randn(batch, seq, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+
+
+def _dense_sdpa(q, k, v, allowed):
+    """One SDPA call with the boolean mask ``allowed`` (scale 0.3), K/V repeated to Q's heads."""
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2),
+        v.repeat_interleave(2, 2).transpose(1, 2), attn_mask=allowed, scale=0.3).transpose(1, 2)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_packed_attention_matches_a_block_diagonal_mask(causal):
-    g = torch.Generator().manual_seed(0)
-    batch, seq, hq, hkv, d = 2, 11, 4, 2, 8
-    q, k, v = (torch.randn(batch, seq, h, d, generator=g, dtype=torch.float64)
-               for h in (hq, hkv, hkv))
+    batch, seq = 2, 11
+    q, k, v = _gqa_inputs(torch.Generator().manual_seed(0), batch, seq)
     cu_seqlens = (0, 4, 5, seq, seq + 7, 2 * seq)
     got = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa",
                     cu_seqlens=cu_seqlens)
@@ -28,10 +38,7 @@ def test_packed_attention_matches_a_block_diagonal_mask(causal):
     allowed = sequence[..., :, None] == sequence[..., None, :]
     if causal:
         allowed &= torch.ones(seq, seq, dtype=torch.bool).tril()
-    want = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2),
-        v.repeat_interleave(2, 2).transpose(1, 2), attn_mask=allowed, scale=0.3).transpose(1, 2)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, _dense_sdpa(q, k, v, allowed), rtol=1e-12, atol=1e-12)
     plain = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa")
     assert not torch.allclose(got[:, 4:], plain[:, 4:])
 
@@ -102,9 +109,8 @@ def _random_key_mask(g: torch.Generator, batch: int, seq: int) -> torch.Tensor:
 @pytest.mark.parametrize("causal", [True, False])
 def test_key_mask_matches_a_dense_mask(causal):
     g = torch.Generator().manual_seed(3)
-    batch, seq, hq, hkv, d = 2, 13, 4, 2, 8
-    q, k, v = (torch.randn(batch, seq, h, d, generator=g, dtype=torch.float64)
-               for h in (hq, hkv, hkv))
+    batch, seq = 2, 13
+    q, k, v = _gqa_inputs(g, batch, seq)
     mask = _random_key_mask(g, batch, seq)
     got = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa",
                     key_mask=check_key_mask(mask.long(), batch=batch, seq=seq,
@@ -112,10 +118,7 @@ def test_key_mask_matches_a_dense_mask(causal):
     allowed = mask.view(batch, 1, 1, seq).expand(batch, 1, seq, seq)
     if causal:
         allowed = allowed & torch.ones(seq, seq, dtype=torch.bool).tril()
-    want = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2),
-        v.repeat_interleave(2, 2).transpose(1, 2), attn_mask=allowed, scale=0.3).transpose(1, 2)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, _dense_sdpa(q, k, v, allowed), rtol=1e-12, atol=1e-12)
     plain = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa")
     assert not torch.allclose(got, plain)
 
