@@ -106,9 +106,9 @@ def _joint_key_mask(text_mask: Tensor | None, text_shape: tuple[int, int], image
 
 
 class _ImagePadding:
-    """Tokens of padding after the whole image sequence of the current call, which
-    ``shard_calls`` adds to Qwen-Image's image tokens so that they split evenly (0 outside its
-    calls): the hooked ``pos_embed`` gives them identity rotations, and the attention masks
+    """Tokens of padding after the whole image sequence of the current Qwen-Image forward, up
+    to a multiple of the world size: the hooked ``pos_embed``, which sees the image's real
+    token count, sets it (and gives those tokens identity rotations); the attention masks
     them as keys.  One object shared by a transformer's hook and attention modules."""
 
     def __init__(self) -> None:
@@ -274,8 +274,8 @@ class QwenImageUlyssesAttention(DualStreamUlyssesAttention):
     text padding out of every query's keys: the ranks' masks are gathered once per
     transformer forward (``_joint_key_mask``).  ``image_rotary_emb``: this rank's rows,
     ``[I_local, D/2]`` and ``[T_local, D/2]`` complex, as the hooked ``pos_embed`` of a
-    whole transformer under ``apply_ulysses`` gives them.  ``image_padding``: the image
-    tokens ``shard_calls`` added (masked as keys).
+    whole transformer under ``apply_ulysses`` gives them.  ``image_padding``: the tokens
+    after the image's end, up to a multiple of the world size (masked as keys).
     """
 
     def __init__(self, attn: nn.Module, **options) -> None:
@@ -300,7 +300,8 @@ class QwenImageUlyssesAttention(DualStreamUlyssesAttention):
             raise ValueError(f"QwenImageUlyssesAttention needs image_rotary_emb with this "
                              f"rank's rows (image, text) = ({image_local}, {text_local}); got "
                              f"{rows}: apply_ulysses to the whole QwenImageTransformer2DModel "
-                             f"(its pos_embed then gives each rank its rows), or pass them")
+                             f"(its pos_embed then gives each rank its rows, the image padded "
+                             f"at its end to a multiple of the world size), or pass them")
         if encoder_hidden_states_mask is not None and (
                 tuple(encoder_hidden_states_mask.shape) != (batch, text_local)):
             raise ValueError(f"encoder_hidden_states_mask must have shape [B, T_local] = "
@@ -320,8 +321,9 @@ class QwenImageUlyssesAttention(DualStreamUlyssesAttention):
 def _shard_rope_rows(pos_embed: nn.Module, rank: int, world: int,
                      padding: _ImagePadding) -> None:
     """Hook Qwen-Image's ``pos_embed(img_shapes, max_txt_seq_len=T_local)``: it computes the
-    frequencies of the whole text (``W * T_local`` tokens) and image (and identity rotations
-    for ``padding.tokens`` more), and returns this rank's rows of each, ``(img_freqs [I / W],
+    frequencies of the whole text (``W * T_local`` tokens) and image, the image's padded to a
+    multiple of ``W`` with identity rotations (``padding.tokens`` of them, set here each
+    forward), and returns this rank's rows of each, ``(img_freqs [I_local],
     txt_freqs [T_local])``."""
     def whole_text(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         if "max_txt_seq_len" in kwargs:  # as the transformer calls it
@@ -332,9 +334,7 @@ def _shard_rope_rows(pos_embed: nn.Module, rank: int, world: int,
 
     def own_rows(module: nn.Module, args: tuple, kwargs: dict[str, Any], output):
         img_freqs, txt_freqs = output
-        if (img_freqs.shape[0] + padding.tokens) % world:
-            raise ValueError(f"Qwen-Image: the image has {img_freqs.shape[0]} tokens, not a "
-                             f"multiple of the world size {world} (shard_calls pads it)")
+        padding.tokens = -img_freqs.shape[0] % world
         if padding.tokens:
             img_freqs = torch.cat((img_freqs, img_freqs.new_ones(padding.tokens,
                                                                  img_freqs.shape[1])))
@@ -431,8 +431,6 @@ def shard_calls(model: nn.Module, group=None) -> nn.Module:
     if not any(isinstance(m, (FluxUlyssesAttention, DualStreamUlyssesAttention))
                for m in model.modules()):
         raise ValueError(f"shard_calls: {name} has no replaced attention: apply_ulysses first")
-    padding = next((m.image_padding for m in model.modules()
-                    if isinstance(m, QwenImageUlyssesAttention)), None)
     image_tokens = []  # the current call's, before padding
 
     def own_rows(t: Tensor, dim: int) -> Tensor:
@@ -453,8 +451,7 @@ def shard_calls(model: nn.Module, group=None) -> nn.Module:
                     mask = torch.ones(text.shape[:2], dtype=torch.int64, device=text.device)
                 kwargs["encoder_hidden_states"] = F.pad(text, (0, 0, 0, pad))
                 kwargs["encoder_hidden_states_mask"] = F.pad(mask, (0, pad))
-            padding.tokens = -image.shape[1] % world
-            kwargs["hidden_states"] = F.pad(image, (0, 0, 0, padding.tokens))
+            kwargs["hidden_states"] = F.pad(image, (0, 0, 0, -image.shape[1] % world))
         for key, dim in (*image_inputs, *text_inputs):
             value = kwargs.get(key)
             if value is None:
@@ -470,8 +467,6 @@ def shard_calls(model: nn.Module, group=None) -> nn.Module:
         parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local, group=resolved)
         whole = torch.cat(parts, dim=1)[:, :image_tokens[0]]
-        if padding is not None:
-            padding.tokens = 0
         return (whole, *output[1:]) if isinstance(output, tuple) else type(output)(sample=whole)
 
     model.register_forward_pre_hook(shard, with_kwargs=True)
