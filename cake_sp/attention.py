@@ -25,9 +25,9 @@ Key masks.  ``key_mask [B, S]`` (True: a key the row's queries may attend to; pa
 text encoder's tokens, for instance) goes to SDPA as a boolean mask ``[B, 1, 1, S]``
 whatever the backend (flash-attn takes no mask; PyTorch picks its memory-efficient kernel),
 except where SDPA would fall back to its math kernel or need the ``S x S`` mask: GQA or
-causal calls on a GPU take ``flex_attention`` with a block mask of the keys (built per call:
-the mask's values change from call to call).  A query left with no key (every key masked,
-or every earlier one if causal) gets what the kernel gives there.
+causal calls on a GPU take ``flex_attention`` with a block mask of the keys (built once per
+mask tensor: every layer of a forward given the same one shares it).  A query left with no
+key (every key masked, or every earlier one if causal) gets what the kernel gives there.
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cake_sp._memo import LastInputs
+
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
+_KEY_BLOCK_MASK = LastInputs()
 
 
 @functools.cache
@@ -213,15 +216,16 @@ def _compiled(name: str):
 
 def _key_block_mask(key_mask: Tensor, causal: bool):
     """flex attention's ``BlockMask`` of the keys ``key_mask [B, S]`` lets through (and
-    earlier ones only, if ``causal``)."""
+    earlier ones only, if ``causal``), built once while the same unmodified mask tensor comes
+    back (every layer of a model's forward)."""
     batch, seq = key_mask.shape
 
     def key_kept(b, h, q_idx, kv_idx):
         keep = key_mask[b, kv_idx]
         return keep & (q_idx >= kv_idx) if causal else keep
 
-    return _compiled("create_block_mask")(key_kept, batch, None, seq, seq,
-                                          device=key_mask.device)
+    return _KEY_BLOCK_MASK.get((key_mask,), (causal,), lambda: _compiled("create_block_mask")(
+        key_kept, batch, None, seq, seq, device=key_mask.device))
 
 
 @functools.lru_cache(maxsize=4)

@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cake_sp.integrations import LastInputs
+from cake_sp._memo import LastInputs
 from cake_sp.layer import UlyssesAttention
 from cake_sp.session.overlap import resolve_group
 

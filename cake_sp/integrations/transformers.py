@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from cake_sp._memo import LastInputs
 from cake_sp.attention import row_bounds
-from cake_sp.integrations import LastInputs
 from cake_sp.layer import UlyssesAttention
 
 # The attention classes replaced, by transformers module: each has q/k/v/o projections,

@@ -160,3 +160,21 @@ def test_key_mask_errors_name_the_argument(key_mask, message):
 def test_integer_key_masks_become_bool():
     mask = check_key_mask(torch.tensor([[0, 2, 1]]), batch=1, seq=3, device=torch.device("cpu"))
     assert mask.dtype == torch.bool and mask.tolist() == [[False, True, True]]
+
+
+def test_the_key_block_mask_is_built_once_per_mask_tensor(monkeypatch):
+    """Every layer of a forward gets the same mask tensor: one block mask for all of them, a
+    new one for a new or modified mask."""
+    import cake_sp.attention as core
+
+    built = []
+    monkeypatch.setattr(core, "_compiled", lambda name: lambda *args, **kw: built.append(1)
+                        or len(built))
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    first = core._key_block_mask(mask, True)
+    assert core._key_block_mask(mask, True) == first and len(built) == 1
+    assert core._key_block_mask(mask, False) != first  # the causal flag is part of the key
+    mask[0, 3] = False  # modified in place
+    core._key_block_mask(mask, False)
+    core._key_block_mask(mask.clone(), False)
+    assert len(built) == 4
