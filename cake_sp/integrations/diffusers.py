@@ -90,8 +90,9 @@ def _joint_key_mask(text_mask: Tensor | None, text_shape: tuple[int, int], image
     under ``torch.compile``.  The masks are gathered as host objects (they are small), as any
     backend of the group can (the transformers drop-in's bounds likewise)."""
     def build():
-        text = torch.ones(text_shape, dtype=torch.bool)
-        if text_mask is not None:
+        if text_mask is None:
+            text = torch.ones(text_shape, dtype=torch.bool)
+        else:
             parts = [None] * dist.get_world_size(group)
             dist.all_gather_object(parts, text_mask.bool().cpu(), group=group)
             text = torch.cat(parts, dim=1)
