@@ -45,6 +45,9 @@ from cake_sp._memo import LastInputs
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 _KEY_BLOCK_MASK = LastInputs()
+# An integer mask's bool form, one per mask tensor, so that the layers of a forward pass the
+# same bool tensor on and share its block mask.
+_BOOL_KEY_MASK = LastInputs()
 
 
 @functools.cache
@@ -110,7 +113,8 @@ def check_key_mask(key_mask: Tensor, *, batch: int, seq: int,
                    device: torch.device) -> Tensor:
     """``key_mask`` as a bool ``[batch, seq]`` tensor on ``device``, or ``ValueError`` naming
     what is wrong: a bool or integer tensor (nonzero: attend), ``S`` the whole sequence.  Host
-    checks of its shape, dtype and device only (no sync)."""
+    checks of its shape, dtype and device only (no sync).  An integer mask's bool form is
+    made once while the same unmodified tensor comes back."""
     if not isinstance(key_mask, Tensor) or (key_mask.dtype != torch.bool
                                             and key_mask.dtype.is_floating_point):
         raise ValueError(f"key_mask must be a bool or integer tensor (True or nonzero: a key "
@@ -120,7 +124,9 @@ def check_key_mask(key_mask: Tensor, *, batch: int, seq: int,
                          f"sequence), got {list(key_mask.shape)}")
     if key_mask.device != device:
         raise ValueError(f"key_mask must be on {device}, got {key_mask.device}")
-    return key_mask if key_mask.dtype == torch.bool else key_mask != 0
+    if key_mask.dtype == torch.bool:
+        return key_mask
+    return _BOOL_KEY_MASK.get((key_mask,), (), lambda: key_mask != 0)
 
 
 def row_bounds(batch: int, seq: int) -> tuple[int, ...]:

@@ -1,21 +1,28 @@
-"""The layer's attention core on packed sequences (``cu_seqlens``), on one GPU, beside what
-transformers' SDPA path does with packed sequences and one SDPA call per sequence.
+"""The layer's attention core on packed sequences (``cu_seqlens``) or with a key mask
+(``key_mask``), on one GPU, beside what transformers' SDPA path does with the same mask and
+the attention of the real tokens alone.
 
-    python benchmarks/layer/bench_packed_attention.py [--rows all|smoke] [--json out.json]
+    python benchmarks/layer/bench_packed_attention.py [--rows all|keys|smoke] [--json out.json]
 
 One rank's head band after the exchange: ``q [1, S, 8, 128]``, ``k, v [1, S, 2, 128]`` bf16
-(GQA 32/8 at W = 4), causal, the ``S`` tokens split into ``N`` documents.  Arms:
+(GQA 32/8 at W = 4), causal, the ``S`` tokens split into ``N`` documents; or ``padded N``
+rows, whose last ``N`` keys are masked (a row padded to a multiple of the world size, a text
+encoder's padding), causal GQA as above or bidirectional MHA (``k, v [1, S, 8, 128]``, the
+diffusion drop-ins' joint attention).  Arms:
 
-* ``cake_sp``: ``cake_sp.attention.attention(..., backend="sdpa", cu_seqlens=...)``, what
-  ``UlyssesAttention`` runs without flash-attn: compiled ``flex_attention`` with the
-  documents' block mask (built by the first call, then cached, as in a model's layers);
+* ``cake_sp``: ``cake_sp.attention.attention(..., backend="sdpa", cu_seqlens= or
+  key_mask=...)``, what ``UlyssesAttention`` runs without flash-attn: compiled
+  ``flex_attention`` with the documents' (or the keys') block mask (built by the first call,
+  then cached, as in a model's layers); SDPA with a ``[1, 1, 1, S]`` mask for a key mask
+  without causality or GQA;
 * ``dense_mask``: K/V repeated to every Q head, then SDPA with the ``[S, S]`` boolean
-  block-diagonal causal mask: what transformers' SDPA attention runs on packed sequences;
-* ``per_sequence``: one causal SDPA call per document (cake_sp's CPU path);
-* ``unpacked``: one causal SDPA over the whole row, documents ignored (not the same math:
-  the cost packing would have without a mask, for scale).
+  mask: what transformers' SDPA attention runs on packed sequences or padded keys;
+* ``per_sequence``: one SDPA call per document (cake_sp's CPU path), or over the ``S - N``
+  real tokens alone for a padded row: what the mask would cost at best;
+* ``unpacked``: one SDPA call over the whole row, no mask (not the same math: the cost the
+  call would have without a mask, for scale).
 
-The packed arms are first checked against ``dense_mask`` (relative error).  A sample is one
+The masked arms are first checked against ``dense_mask`` (relative error).  A sample is one
 call (forward, or forward + backward of ``sum(o * do)``) timed by CUDA events; a row's time
 is the median over ``A B C C B A`` rounds.
 """
@@ -33,10 +40,13 @@ from cake_sp.attention import attention
 
 HQ, HKV, HEAD_DIM = 8, 2, 128
 ROWS = {
-    # (S, document lengths: "equal N" or "random N")
-    "all": [(s, kind, n) for s in (8192, 32768) for kind, n in
+    # (S, kind, N, causal): documents "equal N" or "random N" (causal GQA); "padded N" keys
+    # (causal GQA, or bidirectional MHA).
+    "all": [(s, kind, n, True) for s in (8192, 32768) for kind, n in
             (("equal", 1), ("equal", 8), ("random", 64), ("equal", 512))],
-    "smoke": [(2048, "equal", 4)],
+    "keys": [(s, "padded", s // 16, causal) for s in (8192, 32768) for causal in (True, False)],
+    "smoke": [(2048, "equal", 4, True), (2048, "padded", 100, True),
+              (2048, "padded", 100, False)],
 }
 
 
@@ -59,39 +69,56 @@ def _time_ms(fn, rounds: int) -> list[float]:
     return out
 
 
-def bench_row(seq: int, kind: str, n: int, rounds: int) -> dict:
-    g = torch.Generator().manual_seed(seq + n)
+def _masks(seq: int, kind: str, n: int, causal: bool, g: torch.Generator):
+    """``(cu_seqlens, key_mask, allowed, spans)`` of a row: the layer's argument (the other
+    None; ``key_mask [1, S]``), the dense ``[S, S]`` bool mask it means (both on the CPU),
+    and the token spans the ``per_sequence`` arm attends alone."""
+    causal_mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+    if kind == "padded":
+        key_mask = torch.arange(seq) < seq - n
+        allowed = key_mask[None, :] & causal_mask if causal else key_mask[None, :].expand(seq, -1)
+        return None, key_mask[None], allowed, [(0, seq - n)]
     lengths = _lengths(seq, kind, n, g)
     cu_seqlens = tuple(torch.tensor([0, *lengths]).cumsum(0).tolist())
+    document = torch.repeat_interleave(torch.arange(n), torch.tensor(lengths))
+    allowed = (document[:, None] == document[None, :]) & causal_mask
+    return cu_seqlens, None, allowed, list(zip(cu_seqlens, cu_seqlens[1:]))
+
+
+def bench_row(seq: int, kind: str, n: int, causal: bool, rounds: int) -> dict:
+    g = torch.Generator().manual_seed(seq + n)
+    kv_heads = HKV if causal else HQ
+    cu_seqlens, key_mask, allowed, spans = _masks(seq, kind, n, causal, g)
+    key_mask, allowed = (None if key_mask is None else key_mask.cuda()), allowed.cuda()
     q, k, v = (torch.randn(1, seq, h, HEAD_DIM, generator=g).cuda().bfloat16().requires_grad_()
-               for h in (HQ, HKV, HKV))
+               for h in (HQ, kv_heads, kv_heads))
     do = torch.randn(1, seq, HQ, HEAD_DIM, generator=g).cuda().bfloat16()
-    document = torch.repeat_interleave(torch.arange(n), torch.tensor(lengths)).cuda()
-    allowed = ((document[:, None] == document[None, :])
-               & torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril())
 
     def run(arm: str) -> torch.Tensor:
         if arm == "cake_sp":
-            return attention(q, k, v, causal=True, softmax_scale=None, backend="sdpa",
-                             cu_seqlens=cu_seqlens)
+            return attention(q, k, v, causal=causal, softmax_scale=None, backend="sdpa",
+                             cu_seqlens=cu_seqlens, key_mask=key_mask)
         if arm == "dense_mask":  # as transformers: K/V repeated, then SDPA with the mask
-            k_rep, v_rep = (t.repeat_interleave(HQ // HKV, dim=2).transpose(1, 2) for t in (k, v))
+            k_rep, v_rep = (t.repeat_interleave(HQ // kv_heads, dim=2).transpose(1, 2)
+                            for t in (k, v))
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k_rep, v_rep,
                                                attn_mask=allowed)
             return o.transpose(1, 2)
         if arm == "per_sequence":
-            return torch.cat([attention(q[:, a:b], k[:, a:b], v[:, a:b], causal=True,
+            return torch.cat([attention(q[:, a:b], k[:, a:b], v[:, a:b], causal=causal,
                                         softmax_scale=None, backend="sdpa")
-                              for a, b in zip(cu_seqlens, cu_seqlens[1:])], dim=1)
-        return attention(q, k, v, causal=True, softmax_scale=None, backend="sdpa")
+                              for a, b in spans], dim=1)
+        return attention(q, k, v, causal=causal, softmax_scale=None, backend="sdpa")
 
-    row = {"seq": seq, "documents": f"{kind} {n}"}
+    label = f"{kind} {n}" + ("" if causal else ", bidirectional MHA")
+    row = {"seq": seq, "documents": label}
     with torch.no_grad():
         want = run("dense_mask").float()
         for arm in ("cake_sp", "per_sequence"):
-            error = float((run(arm).float() - want).norm() / want.norm())
+            got = run(arm).float()  # per_sequence: a padded row's real tokens only
+            error = float((got - want[:, :got.shape[1]]).norm() / want.norm())
             if error > 2e-2:  # two bf16 kernels of the same math differ by ~1e-3
-                raise AssertionError(f"S={seq} {kind} {n}: {arm} and dense_mask differ by "
+                raise AssertionError(f"S={seq} {label}: {arm} and dense_mask differ by "
                                      f"{error:.3g}")
             row[f"{arm}_rel_error"] = error
     arms = ("cake_sp", "dense_mask", "per_sequence", "unpacked")
@@ -101,7 +128,8 @@ def bench_row(seq: int, kind: str, n: int, rounds: int) -> dict:
                 with torch.no_grad():
                     run(arm)
             else:
-                torch.autograd.backward(run(arm), do)
+                o = run(arm)
+                torch.autograd.backward(o, do[:, :o.shape[1]])
         for arm in arms:  # warm-up (compiles flex's forward and backward)
             for _ in range(3):
                 call(arm)
@@ -118,7 +146,7 @@ def bench_row(seq: int, kind: str, n: int, rounds: int) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     arms = ("cake_sp", "dense_mask", "per_sequence", "unpacked")
-    header = ["S", "documents"]
+    header = ["S", "documents or keys"]
     for mode in ("fwd", "fwd+bwd"):
         header += [f"{mode} {arm} ms" for arm in arms]
         header += [f"{mode} cake_sp / dense_mask", f"{mode} cake_sp / per_sequence"]
@@ -143,8 +171,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_packed_attention needs a CUDA GPU")
     rows = []
-    for seq, kind, n in ROWS[args.rows]:
-        rows.append(bench_row(seq, kind, n, args.rounds))
+    for seq, kind, n, causal in ROWS[args.rows]:
+        rows.append(bench_row(seq, kind, n, causal, args.rounds))
         print(rows[-1], flush=True)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(markdown(rows))

@@ -188,6 +188,15 @@ def case_key_mask_noncausal_compiled(ctx):
                         seed=9, key_mask=mask, compiled=True)
 
 
+def case_key_mask_causal_compiled(ctx):
+    """Random keys masked, causal GQA, under ``torch.compile``: on a GPU the key block mask
+    and flex attention are traced into the model's graph."""
+    seq_local = 10
+    mask = _random_key_mask(10, 2, seq_local * ctx.world_size, torch.bool)
+    return _check_layer(ctx, "gqa_split", seq_local=seq_local, seed=10, key_mask=mask,
+                        compiled=True)
+
+
 def case_no_o_proj_flux_like(ctx):
     return _check_layer(ctx, "mha", o_proj=False, o_bias=False, rope_style="interleaved",
                         causal=False)
@@ -597,11 +606,12 @@ CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no
          case_gqa_replicate_tails_no_norm, case_no_o_proj_flux_like,
          case_cublas_engine_saved_projection, case_cublas_engine_recomputed_positions,
          case_packed_sequences, case_packed_sequences_compiled, case_key_mask,
-         case_key_mask_noncausal_compiled, case_slot_leases_under_autograd,
+         case_key_mask_noncausal_compiled, case_key_mask_causal_compiled,
+         case_slot_leases_under_autograd,
          case_torch_compile_fullgraph, case_checkpoint_and_inference,
          case_bad_arguments_raise_everywhere, case_fsdp2_on_a_2d_mesh, case_gpu_real_shape,
          case_gpu_graph_capture_and_back_to_back]
-REFERENCE_CASES = CASES[:10] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
+REFERENCE_CASES = CASES[:11] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
 GPU_CASES = {case_gpu_real_shape.__name__, case_gpu_graph_capture_and_back_to_back.__name__}
 
 

@@ -157,9 +157,16 @@ def test_key_mask_errors_name_the_argument(key_mask, message):
     assert message in str(info.value)
 
 
-def test_integer_key_masks_become_bool():
-    mask = check_key_mask(torch.tensor([[0, 2, 1]]), batch=1, seq=3, device=torch.device("cpu"))
+def test_integer_key_masks_become_bool_once_per_mask_tensor():
+    """An integer mask's bool form is one tensor for every layer of a forward (so that they
+    share its block mask), and a new one once the mask is modified."""
+    cpu = torch.device("cpu")
+    ints = torch.tensor([[0, 2, 1]])
+    mask = check_key_mask(ints, batch=1, seq=3, device=cpu)
     assert mask.dtype == torch.bool and mask.tolist() == [[False, True, True]]
+    assert check_key_mask(ints, batch=1, seq=3, device=cpu) is mask
+    ints[0, 0] = 1
+    assert check_key_mask(ints, batch=1, seq=3, device=cpu).tolist() == [[True, True, True]]
 
 
 def test_the_key_block_mask_is_built_once_per_mask_tensor(monkeypatch):

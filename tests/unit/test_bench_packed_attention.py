@@ -1,4 +1,4 @@
-"""The packed-attention benchmark's host side: document lengths and the table."""
+"""The packed-attention benchmark's host side: document lengths, the rows' masks, the table."""
 
 from __future__ import annotations
 
@@ -30,3 +30,20 @@ def test_markdown_has_one_line_per_row_and_every_column():
     assert len(lines) == 3
     assert lines[2].count("|") == lines[0].count("|") == 15
     assert "| 8192 | equal 8 | 1.000 | 2.000 | 3.000 | 4.000 | 0.50 | 0.33 |" in lines[2]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_padded_row_masks_its_last_keys(causal):
+    cu_seqlens, key_mask, allowed, spans = bench._masks(8, "padded", 3, causal,
+                                                        torch.Generator().manual_seed(0))
+    assert cu_seqlens is None and spans == [(0, 5)]
+    assert key_mask.tolist() == [[True] * 5 + [False] * 3]
+    assert not allowed[:, 5:].any() and allowed[7, :5].all()
+    assert bool(allowed[0, 1]) is not causal  # a later key: seen only without causality
+
+
+def test_a_documents_row_allows_each_document_causally():
+    cu_seqlens, key_mask, allowed, spans = bench._masks(8, "equal", 2, True,
+                                                        torch.Generator().manual_seed(0))
+    assert key_mask is None and cu_seqlens == (0, 4, 8) and spans == [(0, 4), (4, 8)]
+    assert allowed[5, 4] and not allowed[5, 3] and not allowed[4, 5]
