@@ -1,5 +1,5 @@
-"""``apply_ulysses(model)``: Ulysses sequence parallelism for the attention of FLUX and
-Qwen-Image blocks.
+"""``apply_ulysses(model)``: Ulysses sequence parallelism for the attention of FLUX, FLUX.2
+and Qwen-Image blocks.
 
 * The ``FluxAttention`` of every ``FluxSingleTransformerBlock`` becomes
   ``FluxUlyssesAttention``: a ``UlyssesAttention`` without o_proj (the block's
@@ -11,6 +11,11 @@ Qwen-Image blocks.
   ``add_q/k/v_proj``, ``norm_added_q/k``, ``to_add_out``; image: ``to_q/k/v``,
   ``norm_q/k``, ``to_out[0]``), whose head bands of the whole text and the whole image
   sequence are joined for one attention, then split again for the two output exchanges.
+* FLUX.2's blocks likewise: the ``Flux2Attention`` of every ``Flux2TransformerBlock`` becomes
+  ``FluxDualUlyssesAttention`` (same weights, same names), and the
+  ``Flux2ParallelSelfAttention`` of every ``Flux2SingleTransformerBlock`` (attention and MLP
+  in parallel) ``Flux2ParallelUlyssesAttention``, its fused input projection split into the
+  layer's ``q, k, v`` and an MLP ``Linear``.
 * The attention of every ``QwenImageTransformerBlock`` becomes ``QwenImageUlyssesAttention``:
   the same two streams (Qwen-Image's blocks are all dual-stream), the text padding mask
   (``encoder_hidden_states_mask``) as a key mask of the joint attention, RoPE from
@@ -132,26 +137,27 @@ def _positions(first: int, count: int, batch: int, device: torch.device) -> Tens
     return build(first, count, batch, device)
 
 
-def _stream_layer(attn: nn.Module, projections: tuple[nn.Linear, nn.Linear, nn.Linear],
+def _stream_layer(attn: nn.Module, qkv: tuple[Tensor, Tensor | None],
                   norms: tuple[nn.Module, nn.Module], out: nn.Linear | None, *, group,
                   max_tokens: int, **layer_options) -> UlyssesAttention:
-    """A ``UlyssesAttention`` with one stream's weights of ``attn`` (a ``FluxAttention``):
-    its ``q, k, v`` projections, its ``q, k`` RMSNorms and its output projection (None: no
-    o_proj), interleaved RoPE, attention over every token."""
-    weight = projections[0].weight
+    """A ``UlyssesAttention`` with one stream's weights of ``attn`` (a FLUX or Qwen-Image
+    attention): ``qkv``, its ``q, k, v`` projections' weights ``[3 * inner, dim]`` and biases
+    (or None) stacked, its ``q, k`` RMSNorms and its output projection (None: no o_proj),
+    interleaved RoPE, attention over every token."""
+    weight, bias = qkv
     heads = attn.heads
-    options = dict(group=group, max_tokens=max_tokens, qkv_bias=projections[0].bias is not None,
+    options = dict(group=group, max_tokens=max_tokens, qkv_bias=bias is not None,
                    qk_norm=True, rope_style="interleaved", causal=False,
                    eps=norms[0].eps or torch.finfo(weight.dtype).eps, o_proj=out is not None,
                    o_bias=out is not None and out.bias is not None, device=weight.device,
                    dtype=weight.dtype)
     options.update(layer_options)
-    layer = UlyssesAttention(projections[0].in_features, heads, heads,
-                             weight.shape[0] // heads, **options)
+    layer = UlyssesAttention(weight.shape[1], heads, heads, weight.shape[0] // (3 * heads),
+                             **options)
     with torch.no_grad():
-        layer.qkv_weight.copy_(torch.cat([p.weight for p in projections]))
+        layer.qkv_weight.copy_(weight)
         if layer.qkv_bias is not None:
-            layer.qkv_bias.copy_(torch.cat([p.bias for p in projections]))
+            layer.qkv_bias.copy_(bias)
         # A norm without a weight normalises all the same: the layer's weights stay ones.
         for mine, theirs in ((layer.q_norm_weight, norms[0]), (layer.k_norm_weight, norms[1])):
             if theirs.weight is not None:
@@ -163,29 +169,47 @@ def _stream_layer(attn: nn.Module, projections: tuple[nn.Linear, nn.Linear, nn.L
     return layer
 
 
+def _stacked(projections: tuple[nn.Linear, nn.Linear, nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """Three projections' weights (and biases, where they have them) stacked as one."""
+    bias = None
+    if projections[0].bias is not None:
+        bias = torch.cat([p.bias for p in projections])
+    return torch.cat([p.weight for p in projections]), bias
+
+
 class FluxUlyssesAttention(nn.Module):
-    """A single-stream block's attention on this rank's token shard (``self.layer`` owns the
-    weights)."""
+    """A FLUX single-stream block's attention on this rank's token shard (``self.layer`` owns
+    the weights)."""
 
     def __init__(self, attn: nn.Module, *, group=None, max_tokens: int, **layer_options) -> None:
         super().__init__()
+        self._init_layer(attn, _stacked((attn.to_q, attn.to_k, attn.to_v)), group=group,
+                         max_tokens=max_tokens, **layer_options)
+
+    def _init_layer(self, attn: nn.Module, qkv: tuple[Tensor, Tensor | None], *, group,
+                    max_tokens: int, **layer_options) -> None:
         resolved = resolve_group(group)
         self._world, self._rank = dist.get_world_size(resolved), dist.get_rank(resolved)
         self.head_dim, self.heads = attn.head_dim, attn.heads
-        self.layer = _stream_layer(attn, (attn.to_q, attn.to_k, attn.to_v),
-                                   (attn.norm_q, attn.norm_k), None, group=group,
+        self.layer = _stream_layer(attn, qkv, (attn.norm_q, attn.norm_k), None, group=group,
                                    max_tokens=max_tokens, **layer_options)
 
     def forward(self, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
                 attention_mask: Tensor | None = None,
                 image_rotary_emb: tuple[Tensor, Tensor] | None = None, **kwargs) -> Tensor:
         if encoder_hidden_states is not None or attention_mask is not None or kwargs:
-            raise ValueError("FluxUlyssesAttention (single-stream block attention) takes "
+            raise ValueError(f"{type(self).__name__} (single-stream block attention) takes "
                              "hidden_states and image_rotary_emb only; got "
                              f"encoder_hidden_states={encoder_hidden_states is not None}, "
                              f"attention_mask={attention_mask is not None}, {sorted(kwargs)}")
+        return self._attend(hidden_states, image_rotary_emb)
+
+    def _attend(self, hidden_states: Tensor,
+                image_rotary_emb: tuple[Tensor, Tensor] | None) -> Tensor:
+        """The attention output ``[B, S_local, heads * D]`` of this rank's tokens, with RoPE
+        rows of this shard or of the whole sequence."""
         if image_rotary_emb is None:
-            raise ValueError("FluxUlyssesAttention needs image_rotary_emb (cos, sin)")
+            raise ValueError(f"{type(self).__name__} needs image_rotary_emb (cos, sin)")
         batch, seq_local = hidden_states.shape[:2]
         rows = image_rotary_emb[0].shape[0]
         if rows == self._world * seq_local:  # the whole sequence's: this rank's rows
@@ -198,6 +222,40 @@ class FluxUlyssesAttention(nn.Module):
                              f"({seq_local})")
         return self.layer(hidden_states, _rope_table(image_rotary_emb),
                           _positions(first, seq_local, batch, hidden_states.device))
+
+
+class Flux2ParallelUlyssesAttention(FluxUlyssesAttention):
+    """A FLUX.2 single-stream block's ``Flux2ParallelSelfAttention`` on this rank's token
+    shard: attention and MLP side by side.  Its fused ``to_qkv_mlp_proj`` is split: the
+    ``q, k, v`` rows become ``self.layer``'s projection, the MLP rows ``self.mlp_in``; the
+    attention output and the MLP's SwiGLU are joined for ``to_out`` as diffusers' processor
+    does."""
+
+    def __init__(self, attn: nn.Module, *, group=None, max_tokens: int, **layer_options) -> None:
+        nn.Module.__init__(self)
+        fused = attn.to_qkv_mlp_proj
+        qkv_rows = 3 * attn.inner_dim
+        bias = None if fused.bias is None else fused.bias[:qkv_rows]
+        self._init_layer(attn, (fused.weight[:qkv_rows], bias), group=group,
+                         max_tokens=max_tokens, **layer_options)
+        self.mlp_in = nn.Linear(fused.in_features, fused.out_features - qkv_rows,
+                                bias=fused.bias is not None, device=fused.weight.device,
+                                dtype=fused.weight.dtype)
+        with torch.no_grad():
+            self.mlp_in.weight.copy_(fused.weight[qkv_rows:])
+            if fused.bias is not None:
+                self.mlp_in.bias.copy_(fused.bias[qkv_rows:])
+        self.mlp_act_fn, self.to_out = attn.mlp_act_fn, attn.to_out
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
+                image_rotary_emb: tuple[Tensor, Tensor] | None = None, **kwargs) -> Tensor:
+        if attention_mask is not None or kwargs:
+            raise ValueError("Flux2ParallelUlyssesAttention (single-stream block attention) "
+                             "takes hidden_states and image_rotary_emb only; got "
+                             f"attention_mask={attention_mask is not None}, {sorted(kwargs)}")
+        o = self._attend(hidden_states, image_rotary_emb)
+        mlp = self.mlp_act_fn(self.mlp_in(hidden_states))
+        return self.to_out(torch.cat([o.to(mlp.dtype), mlp], dim=-1))
 
 
 class DualStreamUlyssesAttention(nn.Module):
@@ -213,11 +271,12 @@ class DualStreamUlyssesAttention(nn.Module):
         super().__init__()
         self._group = resolve_group(group)
         stream = dict(group=group, max_tokens=max_tokens, **layer_options)
-        self.image = _stream_layer(attn, (attn.to_q, attn.to_k, attn.to_v),
+        self.image = _stream_layer(attn, _stacked((attn.to_q, attn.to_k, attn.to_v)),
                                    (attn.norm_q, attn.norm_k), attn.to_out[0], **stream)
         # Both output steps' backwards run before the joint attention's: the text layer's
         # d_o must not go through the slot the image layer's shares with other layers.
-        self.text = _stream_layer(attn, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
+        self.text = _stream_layer(attn, _stacked((attn.add_q_proj, attn.add_k_proj,
+                                                   attn.add_v_proj)),
                                   (attn.norm_added_q, attn.norm_added_k), attn.to_add_out,
                                   share_backward_exchange=False, **stream)
         # diffusers' to_out[1] is a Dropout: applied to the image output as the processor does.
@@ -346,41 +405,60 @@ def _shard_rope_rows(pos_embed: nn.Module, rank: int, world: int,
     pos_embed.register_forward_hook(own_rows, with_kwargs=True)
 
 
-def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_options) -> nn.Module:
-    """Replace the attention of every ``FluxSingleTransformerBlock``, ``FluxTransformerBlock``
-    and ``QwenImageTransformerBlock`` in ``model`` (a FLUX or Qwen-Image transformer, or one
-    block) in place; every rank must call.  Returns ``model``.  A whole
-    ``QwenImageTransformer2DModel`` also gets its ``pos_embed`` hooked, so that each rank's
-    blocks receive its rows of the whole sequence's frequencies.
-
-    ``max_tokens``: most rows ``B * S_local`` one call may have on a rank (of each stream,
-    in a dual-stream block).  Raises ``ValueError``, before replacing anything, for a
-    ``FluxAttention`` outside those blocks, when there is none of them, and for a Qwen-Image
-    transformer with ``zero_cond_t`` (its per-token modulation covers the whole image).
-    """
+def _replacements() -> tuple[dict[type, type], tuple[type, ...]]:
+    """``({block class: its attention's replacement}, the attention classes replaced)`` of
+    this diffusers: FLUX's and Qwen-Image's, and FLUX.2's where diffusers has it (0.36 on)."""
     from diffusers.models.transformers.transformer_flux import (
         FluxAttention,
         FluxSingleTransformerBlock,
         FluxTransformerBlock,
     )
-    from diffusers.models.transformers.transformer_qwenimage import (
-        QwenImageTransformer2DModel,
-        QwenImageTransformerBlock,
-    )
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
     kinds = {FluxSingleTransformerBlock: FluxUlyssesAttention,
              FluxTransformerBlock: FluxDualUlyssesAttention,
              QwenImageTransformerBlock: QwenImageUlyssesAttention}
-    supported = "FluxSingleTransformerBlock, FluxTransformerBlock or QwenImageTransformerBlock"
+    attentions: tuple[type, ...] = (FluxAttention,)
+    try:
+        from diffusers.models.transformers.transformer_flux2 import (
+            Flux2Attention,
+            Flux2ParallelSelfAttention,
+            Flux2SingleTransformerBlock,
+            Flux2TransformerBlock,
+        )
+    except ImportError:
+        return kinds, attentions
+    kinds.update({Flux2SingleTransformerBlock: Flux2ParallelUlyssesAttention,
+                  Flux2TransformerBlock: FluxDualUlyssesAttention})
+    return kinds, (*attentions, Flux2Attention, Flux2ParallelSelfAttention)
+
+
+def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_options) -> nn.Module:
+    """Replace the attention of every FLUX, FLUX.2 and Qwen-Image transformer block
+    (``FluxSingleTransformerBlock``, ``FluxTransformerBlock``, ``Flux2SingleTransformerBlock``,
+    ``Flux2TransformerBlock``, ``QwenImageTransformerBlock``) in ``model`` (such a
+    transformer, or one block) in place; every rank must call.  Returns ``model``.  A whole
+    ``QwenImageTransformer2DModel`` also gets its ``pos_embed`` hooked, so that each rank's
+    blocks receive its rows of the whole sequence's frequencies.
+
+    ``max_tokens``: most rows ``B * S_local`` one call may have on a rank (of each stream,
+    in a dual-stream block).  Raises ``ValueError``, before replacing anything, for a FLUX
+    attention outside those blocks, when there is none of them, and for a Qwen-Image
+    transformer with ``zero_cond_t`` (its per-token modulation covers the whole image).
+    """
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+
+    kinds, attentions = _replacements()
+    supported = ", ".join(k.__name__ for k in kinds)
     blocks = [(n, m) for n, m in model.named_modules() if type(m) in kinds]
     inside = {f"{n}.attn" if n else "attn" for n, _ in blocks}
     others = [n for n, m in model.named_modules()
-              if isinstance(m, FluxAttention) and n not in inside]
+              if isinstance(m, attentions) and n not in inside]
     if others:
         raise ValueError(f"apply_ulysses: the attention at {others[:3]} is not inside a "
                          f"{supported}")
     if not blocks:
-        raise ValueError(f"apply_ulysses: {type(model).__name__} has no {supported}")
+        raise ValueError(f"apply_ulysses: {type(model).__name__} has none of {supported}")
     qwen_image = isinstance(model, QwenImageTransformer2DModel)
     if qwen_image and model.config.zero_cond_t:
         raise ValueError("apply_ulysses: a QwenImageTransformer2DModel with zero_cond_t=True "
@@ -407,6 +485,8 @@ def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_opti
 _SHARDED_INPUTS = {
     "FluxTransformer2DModel": ((("hidden_states", 1), ("img_ids", -2)),
                                (("encoder_hidden_states", 1), ("txt_ids", -2)), False),
+    "Flux2Transformer2DModel": ((("hidden_states", 1), ("img_ids", -2)),
+                                (("encoder_hidden_states", 1), ("txt_ids", -2)), False),
     "QwenImageTransformer2DModel": ((("hidden_states", 1),),
                                     (("encoder_hidden_states", 1),
                                      ("encoder_hidden_states_mask", 1)), True),

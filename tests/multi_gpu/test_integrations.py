@@ -549,6 +549,135 @@ def case_flux_transformer_compiled(ctx):
     return _check_flux_transformer(ctx, compiled=True)
 
 
+def _flux2_transformer_problem(ctx):
+    """A random fp32 FLUX.2 transformer (a dual-stream and a single-stream block, dim 256, 4
+    heads of 64, no guidance embedding as FLUX.2 klein; the replaced modules' output
+    projections scaled up as FLUX's above) on ``ctx.device``, and the keyword inputs of a
+    whole call as the pipeline makes them: image latents ``[2, 56, 16]`` (7 x 8), text
+    ``[2, 8, 32]``, a timestep of zero, and the 4-axis ids ``(t, h, w, l)``
+    (``[2, tokens, 4]``; a text token's ``l`` is its index)."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    fp32 = Flux2Transformer2DModel(in_channels=16, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=64, num_attention_heads=4,
+                                   joint_attention_dim=32, axes_dims_rope=(16, 16, 16, 16),
+                                   guidance_embeds=False).eval().to(ctx.device)
+    with torch.no_grad():  # attention's share of every block's output up, so errors show
+        for block in fp32.transformer_blocks:
+            block.attn.to_out[0].weight.mul_(ATTENTION_GAIN)
+            block.attn.to_add_out.weight.mul_(ATTENTION_GAIN)
+        for block in fp32.single_transformer_blocks:  # the MLP's columns too: ours runs it
+            block.attn.to_out.weight.mul_(ATTENTION_GAIN)
+    g = torch.Generator().manual_seed(14)
+    text, height, width, batch = 8, 7, 8, 2
+    img = torch.randn(batch, height * width, 16, generator=g)
+    txt = torch.randn(batch, text, 32, generator=g)
+    grid = torch.cartesian_prod(torch.arange(1), torch.arange(height), torch.arange(width),
+                                torch.arange(1))
+    text_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1),
+                                    torch.arange(text))
+    call = dict(hidden_states=img, encoder_hidden_states=txt, timestep=torch.zeros(batch),
+                img_ids=grid.expand(batch, -1, -1), txt_ids=text_ids.expand(batch, -1, -1))
+    return fp32, {k: v.to(ctx.device) for k, v in call.items()}
+
+
+def case_flux2_transformer(ctx):
+    """A whole FLUX.2 transformer: each rank passes its text and image tokens with their own
+    ids and gets its image tokens' output; both blocks' attentions replaced.  A call with
+    reference images (``kv_cache_mode``) raises, on every rank before any exchange."""
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import (
+        Flux2ParallelUlyssesAttention,
+        FluxDualUlyssesAttention,
+        apply_ulysses,
+    )
+
+    fp32, call = _flux2_transformer_problem(ctx)
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=128)
+    t_rows, i_rows, _ = _stream_shards(ctx, call["txt_ids"].shape[1], call["img_ids"].shape[1])
+
+    def run(model, dtype, txt_rows, img_rows):
+        shard = dict(call, hidden_states=call["hidden_states"][:, img_rows].to(dtype),
+                     encoder_hidden_states=call["encoder_hidden_states"][:, txt_rows].to(dtype),
+                     timestep=call["timestep"].to(dtype), img_ids=call["img_ids"][:, img_rows],
+                     txt_ids=call["txt_ids"][:, txt_rows])
+        with torch.no_grad():
+            return model(**shard, return_dict=False)[0].float()
+
+    whole = slice(None)
+    want = run(fp32, torch.float32, whole, whole)[:, i_rows]
+    peer = run(bf16, torch.bfloat16, whole, whole)[:, i_rows]
+    got = run(ours, torch.bfloat16, t_rows, i_rows)
+    with pytest.raises(ValueError, match="kv_cache_mode"):  # reference images: refused
+        ours(**{k: v.bfloat16() if v.is_floating_point() else v for k, v in call.items()},
+             kv_cache_mode="extract", num_ref_tokens=8)
+    kinds = (Flux2ParallelUlyssesAttention, FluxDualUlyssesAttention)
+    replaced = [sum(type(m) is kind for m in ours.modules()) for kind in kinds]
+    close(ours)
+    return {"replaced": 1 if replaced == [1, 1] else 0, "rel_error": relative_error(got, want),
+            "bf16_rel_error": relative_error(peer, want)}
+
+
+def case_flux2_single_block_gradients(ctx):
+    """A FLUX.2 single-stream block's fused projection and output weight gradients (fp32
+    master weights, bf16 autocast), summed over the ranks, against the unmodified block's on
+    the full sequence: the split ``to_qkv_mlp_proj`` (attention rows in the layer, MLP rows
+    beside it) must give back the fused weight's gradient."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2SingleTransformerBlock
+
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import apply_ulysses
+
+    fp32, call = _flux2_transformer_problem(ctx)
+    torch.manual_seed(1)
+    block = Flux2SingleTransformerBlock(dim=256, num_attention_heads=4,
+                                        attention_head_dim=64).to(ctx.device)
+    with torch.no_grad():
+        block.attn.to_out.weight[:, :256].mul_(ATTENTION_GAIN)
+    bf16 = copy.deepcopy(block).bfloat16()
+    ours = apply_ulysses(copy.deepcopy(block), max_tokens=64)
+    g = torch.Generator().manual_seed(15)
+    seq, batch = 64, 2
+    x = torch.randn(batch, seq, 256, generator=g).to(ctx.device)
+    temb = torch.randn(batch, 3 * 256, generator=g).to(ctx.device)
+    weights = torch.randn(batch, seq, 256, generator=g).to(ctx.device)
+    cos, sin = fp32.pos_embed(torch.cat([call["txt_ids"][0], call["img_ids"][0]]))
+    emb = (cos.float(), sin.float())
+    s = seq // ctx.world_size
+    own = slice(ctx.rank * s, (ctx.rank + 1) * s)
+
+    def backward(module, dtype, rows, rotary):
+        out = module(x[:, rows].to(dtype), None, temb.to(dtype), rotary)
+        (out.float() * weights[:, rows]).sum().backward()
+
+    backward(block, torch.float32, slice(None), emb)
+    backward(bf16, torch.bfloat16, slice(None), emb)
+    with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+        backward(ours, torch.float32, own, emb)  # the whole sequence's rows: it takes its own
+    attn = ours.attn
+    got = torch.cat([torch.cat([attn.layer.qkv_weight.grad, attn.mlp_in.weight.grad]).flatten(),
+                     attn.to_out.weight.grad.flatten()])
+    dist.all_reduce(got)  # each rank's tokens' share of the gradient
+    close(ours)
+
+    def fused_grads(module):
+        return torch.cat([module.attn.to_qkv_mlp_proj.weight.grad.float().flatten(),
+                          module.attn.to_out.weight.grad.float().flatten()])
+
+    want = fused_grads(block)
+    return {"replaced": 1, "rel_error": relative_error(got, want),
+            "bf16_rel_error": relative_error(fused_grads(bf16), want)}
+
+
+def case_flux2_transformer_whole_calls(ctx):
+    """Every rank calls the FLUX.2 transformer with the whole inputs, as its pipeline does."""
+    fp32, call = _flux2_transformer_problem(ctx)
+    return _check_whole_calls(ctx, fp32, [{**call, "return_dict": False},
+                                          {**call, "return_dict": True}], max_tokens=128)
+
+
 def _qwen_image_problem(ctx):
     """A random fp32 Qwen-Image transformer (two blocks, dim 256, 4 heads of 64; attention's
     output projections scaled up as FLUX's above) on ``ctx.device``, and its inputs: image
@@ -878,7 +1007,9 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
                 case_flux_transformer, case_flux_transformer_compiled,
                 case_qwen_image_transformer, case_qwen_image_transformer_gradients,
-                case_flux_transformer_whole_calls, case_qwen_image_whole_calls]
+                case_flux_transformer_whole_calls, case_qwen_image_whole_calls,
+                case_flux2_transformer, case_flux2_single_block_gradients,
+                case_flux2_transformer_whole_calls]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
@@ -927,7 +1058,7 @@ def _check_flux_bad_inputs(world, name, per_rank) -> str:
     for r in per_rank:
         assert "pass each rank's own txt_ids and img_ids" in r["whole table"], r["whole table"]
         assert "encoder_hidden_states=False" in r["no text"], r["no text"]
-        assert "has no FluxSingleTransformerBlock, FluxTransformerBlock or" in r["model"], r
+        assert "has none of FluxSingleTransformerBlock, FluxTransformerBlock, " in r["model"], r
         assert "rows (image, text) = (" in r["qwen whole rows"], r["qwen whole rows"]
         assert "must have shape [B, T_local] = [2, " in r["qwen whole mask"], r
         assert "zero_cond_t=True is not supported" in r["qwen zero_cond_t"], r
