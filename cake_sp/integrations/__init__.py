@@ -2,11 +2,12 @@
 
 * ``cake_sp.integrations.transformers.apply_ulysses``: the attention of Qwen3, Qwen2, Llama,
   Mistral and the Qwen3-MoE, Qwen2-MoE and Mixtral models;
-* ``cake_sp.integrations.diffusers.apply_ulysses``: the attention of FLUX's single- and
-  dual-stream blocks and of Qwen-Image's blocks.
+* ``cake_sp.integrations.diffusers.apply_ulysses``: the attention of FLUX's and FLUX.2's
+  single- and dual-stream blocks and of Qwen-Image's blocks.
 
-Each imports its library lazily.  ``close(model)`` releases every layer's buffers
-(collective, like the layers' construction).
+Each imports its library lazily, and refuses attentions with unmerged LoRA adapters
+(``check_adapters_merged``).  ``close(model)`` releases every layer's buffers (collective,
+like the layers' construction).
 """
 
 from __future__ import annotations
@@ -14,6 +15,26 @@ from __future__ import annotations
 from torch import nn
 
 from cake_sp.layer import UlyssesAttention
+
+
+def check_adapters_merged(modules: list[tuple[str, nn.Module]]) -> None:
+    """``ValueError`` naming the submodules of ``modules`` (``(name, module)`` pairs, the
+    attentions about to be replaced) that carry active PEFT adapters (LoRA) not merged into
+    their base weights.  The drop-ins copy the base weights, so such an adapter would be
+    dropped without a word; merged, it is in them."""
+    unmerged = []
+    for prefix, module in modules:
+        for name, m in module.named_modules():
+            if not hasattr(m, "merged_adapters") or getattr(m, "disable_adapters", False):
+                continue  # not a PEFT tuner layer, or its adapters are switched off
+            held = [getattr(m, layer, {}) for layer in getattr(m, "adapter_layer_names", ())]
+            if any(a not in m.merged_adapters and any(a in h for h in held)
+                   for a in m.active_adapters):
+                unmerged.append(f"{prefix}.{name}" if prefix else name)
+    if unmerged:
+        raise ValueError(f"apply_ulysses: {unmerged[:3]} carry adapters (LoRA) not merged into "
+                         f"their weights, which the drop-in would lose; merge them first "
+                         f"(diffusers: pipe.fuse_lora(); PEFT: model.merge_and_unload())")
 
 
 def close(model: nn.Module) -> None:

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cake_sp._memo import LastInputs
+from cake_sp.integrations import check_adapters_merged
 from cake_sp.layer import UlyssesAttention
 from cake_sp.session.overlap import resolve_group
 
@@ -459,6 +460,7 @@ def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_opti
                          f"{supported}")
     if not blocks:
         raise ValueError(f"apply_ulysses: {type(model).__name__} has none of {supported}")
+    check_adapters_merged([(f"{n}.attn" if n else "attn", b.attn) for n, b in blocks])
     qwen_image = isinstance(model, QwenImageTransformer2DModel)
     if qwen_image and model.config.zero_cond_t:
         raise ValueError("apply_ulysses: a QwenImageTransformer2DModel with zero_cond_t=True "

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from cake_sp._memo import LastInputs
 from cake_sp.attention import row_bounds
+from cake_sp.integrations import check_adapters_merged
 from cake_sp.layer import UlyssesAttention
 
 # The attention classes replaced, by transformers module: each has q/k/v/o projections,
@@ -267,7 +268,8 @@ def apply_ulysses(model: nn.Module, group=None, **layer_options) -> nn.Module:
                         type(m).__name__})
         raise ValueError(f"apply_ulysses: {type(model).__name__} has no attention module it "
                          f"supports ({', '.join(SUPPORTED)}); found {kinds or 'none'}")
-    for name, attn in targets:  # before any layer allocates its buffers
+    check_adapters_merged(targets)  # before any layer allocates its buffers
+    for name, attn in targets:
         window = _sliding_window(attn)
         if window is not None:
             raise ValueError(f"apply_ulysses: {name} uses sliding-window attention (a window "

@@ -843,11 +843,30 @@ def case_qwen_image_whole_calls(ctx):
         max_tokens=64)
 
 
+def _with_lora(model: nn.Module, targets: list[str]) -> nn.Module:
+    """``model`` with a random LoRA adapter (PEFT) on the modules named ``targets``, not
+    merged."""
+    import peft
+
+    config = peft.LoraConfig(r=2, target_modules=targets, init_lora_weights=False)
+    return peft.inject_adapter_in_model(config, model)
+
+
+def _refusal(apply, model: nn.Module, **options) -> str:
+    """The ``ValueError`` that ``apply(model, **options)`` raises, or "no error"."""
+    try:
+        apply(model, **options)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def case_flux_bad_inputs_raise(ctx):
     """The dual-stream attentions raise, on every rank before any exchange, on the whole
     sequence's RoPE rows (they need each rank's own), without the text tokens, and (Qwen-Image)
-    on a mask of the whole text; apply_ulysses raises for a model with no supported block and
-    for a Qwen-Image transformer with ``zero_cond_t``."""
+    on a mask of the whole text; apply_ulysses raises for a model with no supported block, for
+    a block with an unmerged LoRA adapter and for a Qwen-Image transformer with
+    ``zero_cond_t``."""
     from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
     from cake_sp.integrations import close
@@ -871,6 +890,9 @@ def case_flux_bad_inputs_raise(ctx):
         report["model"] = "no error"
     except ValueError as exc:
         report["model"] = str(exc)
+    torch.manual_seed(0)
+    lora_block = FluxTransformerBlock(dim=64, num_attention_heads=2, attention_head_dim=32)
+    report["lora"] = _refusal(apply_ulysses, _with_lora(lora_block, ["to_v"]), max_tokens=8)
     close(ours)
     # Qwen-Image: a lone block given the whole sequence's frequencies, a mask of the whole
     # text, and a model whose modulation covers the whole image.
@@ -925,6 +947,7 @@ def case_unsupported_inputs_raise(ctx):
             report[f"{kind}_window"] = "no error"
         except ValueError as exc:
             report[f"{kind}_window"] = str(exc)
+    report["lora"] = _refusal(apply_ulysses, _with_lora(_model("qwen3"), ["q_proj"]))
     model = apply_ulysses(_model("qwen3").bfloat16().to(ctx.device))
     ids = torch.randint(0, 256, (1, 8), device=ctx.device)
     shard, positions = _shard(ctx, torch.zeros(1, 8 * ctx.world_size, device=ctx.device))
@@ -1050,7 +1073,9 @@ def _check_unsupported(world, name, per_rank) -> str:
         assert "use_cache=False" in r["cache"], r["cache"]
         assert "cu_seq_lens_k must equal cu_seq_lens_q" in r["bounds_k"], r["bounds_k"]
         assert "cu_seqlens must be strictly increasing" in r["bounds"], r["bounds"]
-    return "unsupported model, mask, cache and bad cu_seq_lens raised"
+        assert "model.layers.0.self_attn.q_proj" in r["lora"], r["lora"]
+        assert "carry adapters (LoRA) not merged" in r["lora"], r["lora"]
+    return "unsupported model, mask, cache, bad cu_seq_lens and an unmerged LoRA raised"
 
 
 def _check_flux_bad_inputs(world, name, per_rank) -> str:
@@ -1062,8 +1087,9 @@ def _check_flux_bad_inputs(world, name, per_rank) -> str:
         assert "rows (image, text) = (" in r["qwen whole rows"], r["qwen whole rows"]
         assert "must have shape [B, T_local] = [2, " in r["qwen whole mask"], r
         assert "zero_cond_t=True is not supported" in r["qwen zero_cond_t"], r
+        assert "['attn.to_v'] carry adapters (LoRA) not merged" in r["lora"], r["lora"]
     return ("whole-sequence tables, missing text tokens, a whole text's mask and models "
-            "without supported blocks or with zero_cond_t raised")
+            "without supported blocks, with an unmerged LoRA or with zero_cond_t raised")
 
 
 def _curve_distance(a: list[float], b: list[float]) -> float:
