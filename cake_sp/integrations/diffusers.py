@@ -184,16 +184,16 @@ class FluxUlyssesAttention(nn.Module):
 
     def __init__(self, attn: nn.Module, *, group=None, max_tokens: int, **layer_options) -> None:
         super().__init__()
-        self._init_layer(attn, _stacked((attn.to_q, attn.to_k, attn.to_v)), group=group,
-                         max_tokens=max_tokens, **layer_options)
-
-    def _init_layer(self, attn: nn.Module, qkv: tuple[Tensor, Tensor | None], *, group,
-                    max_tokens: int, **layer_options) -> None:
         resolved = resolve_group(group)
         self._world, self._rank = dist.get_world_size(resolved), dist.get_rank(resolved)
         self.head_dim, self.heads = attn.head_dim, attn.heads
-        self.layer = _stream_layer(attn, qkv, (attn.norm_q, attn.norm_k), None, group=group,
-                                   max_tokens=max_tokens, **layer_options)
+        self.layer = _stream_layer(attn, self._qkv(attn), (attn.norm_q, attn.norm_k), None,
+                                   group=group, max_tokens=max_tokens, **layer_options)
+
+    @staticmethod
+    def _qkv(attn: nn.Module) -> tuple[Tensor, Tensor | None]:
+        """``attn``'s ``q, k, v`` projection weights and biases, stacked."""
+        return _stacked((attn.to_q, attn.to_k, attn.to_v))
 
     def forward(self, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
                 attention_mask: Tensor | None = None,
@@ -233,12 +233,9 @@ class Flux2ParallelUlyssesAttention(FluxUlyssesAttention):
     does."""
 
     def __init__(self, attn: nn.Module, *, group=None, max_tokens: int, **layer_options) -> None:
-        nn.Module.__init__(self)
+        super().__init__(attn, group=group, max_tokens=max_tokens, **layer_options)
         fused = attn.to_qkv_mlp_proj
         qkv_rows = 3 * attn.inner_dim
-        bias = None if fused.bias is None else fused.bias[:qkv_rows]
-        self._init_layer(attn, (fused.weight[:qkv_rows], bias), group=group,
-                         max_tokens=max_tokens, **layer_options)
         self.mlp_in = nn.Linear(fused.in_features, fused.out_features - qkv_rows,
                                 bias=fused.bias is not None, device=fused.weight.device,
                                 dtype=fused.weight.dtype)
@@ -247,6 +244,12 @@ class Flux2ParallelUlyssesAttention(FluxUlyssesAttention):
             if fused.bias is not None:
                 self.mlp_in.bias.copy_(fused.bias[qkv_rows:])
         self.mlp_act_fn, self.to_out = attn.mlp_act_fn, attn.to_out
+
+    @staticmethod
+    def _qkv(attn: nn.Module) -> tuple[Tensor, Tensor | None]:
+        """The ``q, k, v`` rows of ``attn.to_qkv_mlp_proj`` (weight and bias)."""
+        fused, qkv_rows = attn.to_qkv_mlp_proj, 3 * attn.inner_dim
+        return fused.weight[:qkv_rows], None if fused.bias is None else fused.bias[:qkv_rows]
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
                 image_rotary_emb: tuple[Tensor, Tensor] | None = None, **kwargs) -> Tensor:
@@ -444,8 +447,9 @@ def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_opti
 
     ``max_tokens``: most rows ``B * S_local`` one call may have on a rank (of each stream,
     in a dual-stream block).  Raises ``ValueError``, before replacing anything, for a FLUX
-    attention outside those blocks, when there is none of them, and for a Qwen-Image
-    transformer with ``zero_cond_t`` (its per-token modulation covers the whole image).
+    attention outside those blocks, when there is none of them, for an attention with
+    unmerged LoRA adapters (``check_adapters_merged``) and for a Qwen-Image transformer with
+    ``zero_cond_t`` (its per-token modulation covers the whole image).
     """
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 
