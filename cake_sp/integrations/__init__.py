@@ -1,7 +1,8 @@
 """Drop-in replacements of the attention modules of Hugging Face models (optional extras).
 
 * ``cake_sp.integrations.transformers.apply_ulysses``: the attention of Qwen3, Qwen2, Llama,
-  Mistral and the Qwen3-MoE, Qwen2-MoE and Mixtral models;
+  Mistral, Granite, Seed-OSS, Arcee, Apertus, EXAONE 4 and the Qwen3-MoE, Qwen2-MoE,
+  Granite-MoE and Mixtral models;
 * ``cake_sp.integrations.diffusers.apply_ulysses``: the attention of FLUX's and FLUX.2's
   single- and dual-stream blocks and of Qwen-Image's blocks.
 

@@ -1,9 +1,10 @@
 """``apply_ulysses(model)``: Ulysses sequence parallelism for a transformers decoder model.
 
-Every attention module of a Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama, Mistral or Mixtral
-model (``SUPPORTED``) is replaced by ``TransformersUlyssesAttention``: a
-``UlyssesAttention`` holding the same weights (``q_proj``, ``k_proj``, ``v_proj`` fused
-into ``qkv_weight``; Qwen3's QK-norm weights) behind the module's own call contract
+Every attention module of a Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama, Mistral, Mixtral,
+Granite, Granite-MoE, Seed-OSS, Arcee, Apertus or EXAONE 4 model (``SUPPORTED``) is replaced
+by ``TransformersUlyssesAttention``: a ``UlyssesAttention`` holding the same weights
+(``q_proj``, ``k_proj``, ``v_proj`` fused into ``qkv_weight``; per-head QK-norm weights where
+the model has them; its softmax scale) behind the module's own call contract
 ``forward(hidden_states, position_embeddings, attention_mask=None, **kwargs) ->
 (attn_output, None)``, so the decoder layers need no change.  Each rank then runs
 the model on its shard of the tokens with the matching global positions::
@@ -51,7 +52,10 @@ from cake_sp.layer import UlyssesAttention
 SUPPORTED = {"Qwen3Attention": "qwen3", "Qwen3MoeAttention": "qwen3_moe",
              "Qwen2Attention": "qwen2", "Qwen2MoeAttention": "qwen2_moe",
              "LlamaAttention": "llama", "MistralAttention": "mistral",
-             "MixtralAttention": "mixtral"}
+             "MixtralAttention": "mixtral", "GraniteAttention": "granite",
+             "GraniteMoeAttention": "granitemoe", "SeedOssAttention": "seed_oss",
+             "ArceeAttention": "arcee", "ApertusAttention": "apertus",
+             "Exaone4Attention": "exaone4"}
 # The name apply_ulysses gives the model's attention implementation (config._attn_implementation).
 ATTENTION_IMPLEMENTATION = "cake_sp_ulysses"
 # One table and one packing per model forward, shared by the layers (they get the same

@@ -61,6 +61,18 @@ KINDS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=4, num_experts_per_tok=2)),
+    # Granite's softmax scale is its attention_multiplier, here 4x head_dim ** -0.5.  Its MoE
+    # model routes every token to all 4 experts: with that sharp a softmax, top-2 routing
+    # flipped some tokens' experts on a bf16 rounding (2.3e-2 against 6.1e-3 at W = 4; with
+    # every expert 5.9e-3), which is the router's discontinuity, not the attention's error.
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(attention_multiplier=0.5)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   dict(num_local_experts=4, num_experts_per_tok=4, attention_multiplier=0.5)),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {}),  # q/k/v biases, none on o
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),  # per-head QK-norm
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM",  # per-head QK-norm, global layers
+                dict(sliding_window=None, layer_types=["full_attention"] * 2)),
 }
 
 
@@ -320,6 +332,30 @@ def case_qwen2_logits(ctx):
 
 def case_llama_logits(ctx):
     return _check_logits(ctx, "llama")
+
+
+def case_granite_logits(ctx):
+    return _check_logits(ctx, "granite")
+
+
+def case_granitemoe_logits(ctx):
+    return _check_logits(ctx, "granitemoe")
+
+
+def case_seed_oss_logits(ctx):
+    return _check_logits(ctx, "seed_oss")
+
+
+def case_arcee_logits(ctx):
+    return _check_logits(ctx, "arcee")
+
+
+def case_apertus_logits(ctx):
+    return _check_logits(ctx, "apertus")
+
+
+def case_exaone4_logits(ctx):
+    return _check_logits(ctx, "exaone4")
 
 
 def case_qwen3_moe_logits(ctx):
@@ -1027,6 +1063,8 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_qwen3_sharded_batch_loss,
                 case_qwen2_logits, case_llama_logits, case_qwen3_moe_logits,
                 case_qwen2_moe_logits, case_mistral_logits, case_mixtral_logits,
+                case_granite_logits, case_granitemoe_logits, case_seed_oss_logits,
+                case_arcee_logits, case_apertus_logits, case_exaone4_logits,
                 case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
                 case_flux_transformer, case_flux_transformer_compiled,
                 case_qwen_image_transformer, case_qwen_image_transformer_gradients,
