@@ -13,9 +13,19 @@ like the layers' construction).
 
 from __future__ import annotations
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from cake_sp.layer import UlyssesAttention
+
+
+def stacked_projections(projections: tuple[nn.Linear, ...]) -> tuple[Tensor, Tensor | None]:
+    """The ``q, k, v`` projections' weights stacked as the layer's ``qkv_weight``, and their
+    biases as its ``qkv_bias`` (None where they have none)."""
+    bias = None
+    if projections[0].bias is not None:
+        bias = torch.cat([p.bias for p in projections])
+    return torch.cat([p.weight for p in projections]), bias
 
 
 def check_adapters_merged(modules: list[tuple[str, nn.Module]]) -> None:

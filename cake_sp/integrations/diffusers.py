@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cake_sp._memo import LastInputs
-from cake_sp.integrations import check_adapters_merged
+from cake_sp.integrations import check_adapters_merged, stacked_projections
 from cake_sp.layer import UlyssesAttention
 from cake_sp.session.overlap import resolve_group
 
@@ -170,14 +170,6 @@ def _stream_layer(attn: nn.Module, qkv: tuple[Tensor, Tensor | None],
     return layer
 
 
-def _stacked(projections: tuple[nn.Linear, nn.Linear, nn.Linear]) -> tuple[Tensor, Tensor | None]:
-    """Three projections' weights (and biases, where they have them) stacked as one."""
-    bias = None
-    if projections[0].bias is not None:
-        bias = torch.cat([p.bias for p in projections])
-    return torch.cat([p.weight for p in projections]), bias
-
-
 class FluxUlyssesAttention(nn.Module):
     """A FLUX single-stream block's attention on this rank's token shard (``self.layer`` owns
     the weights)."""
@@ -193,7 +185,7 @@ class FluxUlyssesAttention(nn.Module):
     @staticmethod
     def _qkv(attn: nn.Module) -> tuple[Tensor, Tensor | None]:
         """``attn``'s ``q, k, v`` projection weights and biases, stacked."""
-        return _stacked((attn.to_q, attn.to_k, attn.to_v))
+        return stacked_projections((attn.to_q, attn.to_k, attn.to_v))
 
     def forward(self, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
                 attention_mask: Tensor | None = None,
@@ -235,7 +227,7 @@ class Flux2ParallelUlyssesAttention(FluxUlyssesAttention):
     def __init__(self, attn: nn.Module, *, group=None, max_tokens: int, **layer_options) -> None:
         super().__init__(attn, group=group, max_tokens=max_tokens, **layer_options)
         fused = attn.to_qkv_mlp_proj
-        qkv_rows = 3 * attn.inner_dim
+        qkv_rows = self.layer.qkv_weight.shape[0]  # the rest are the MLP's
         self.mlp_in = nn.Linear(fused.in_features, fused.out_features - qkv_rows,
                                 bias=fused.bias is not None, device=fused.weight.device,
                                 dtype=fused.weight.dtype)
@@ -275,12 +267,12 @@ class DualStreamUlyssesAttention(nn.Module):
         super().__init__()
         self._group = resolve_group(group)
         stream = dict(group=group, max_tokens=max_tokens, **layer_options)
-        self.image = _stream_layer(attn, _stacked((attn.to_q, attn.to_k, attn.to_v)),
+        self.image = _stream_layer(attn, stacked_projections((attn.to_q, attn.to_k, attn.to_v)),
                                    (attn.norm_q, attn.norm_k), attn.to_out[0], **stream)
         # Both output steps' backwards run before the joint attention's: the text layer's
         # d_o must not go through the slot the image layer's shares with other layers.
-        self.text = _stream_layer(attn, _stacked((attn.add_q_proj, attn.add_k_proj,
-                                                   attn.add_v_proj)),
+        text_qkv = stacked_projections((attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        self.text = _stream_layer(attn, text_qkv,
                                   (attn.norm_added_q, attn.norm_added_k), attn.to_add_out,
                                   share_backward_exchange=False, **stream)
         # diffusers' to_out[1] is a Dropout: applied to the image output as the processor does.

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from cake_sp._memo import LastInputs
 from cake_sp.attention import row_bounds
-from cake_sp.integrations import check_adapters_merged
+from cake_sp.integrations import check_adapters_merged, stacked_projections
 from cake_sp.layer import UlyssesAttention
 
 # The attention classes replaced, by transformers module: each has q/k/v/o projections,
@@ -116,10 +116,10 @@ class TransformersUlyssesAttention(nn.Module):
         self.layer = UlyssesAttention(config.hidden_size, config.num_attention_heads,
                                       config.num_key_value_heads, d, **options)
         with torch.no_grad():
-            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-            self.layer.qkv_weight.copy_(torch.cat([p.weight for p in projections]))
+            qkv_weight, qkv_bias = stacked_projections((attn.q_proj, attn.k_proj, attn.v_proj))
+            self.layer.qkv_weight.copy_(qkv_weight)
             if self.layer.qkv_bias is not None:
-                self.layer.qkv_bias.copy_(torch.cat([p.bias for p in projections]))
+                self.layer.qkv_bias.copy_(qkv_bias)
             if q_norm is not None:
                 self.layer.q_norm_weight.copy_(q_norm.weight)
                 self.layer.k_norm_weight.copy_(attn.k_norm.weight)
