@@ -609,13 +609,18 @@ def _flux2_transformer_problem(ctx):
     text, height, width, batch = 8, 7, 8, 2
     img = torch.randn(batch, height * width, 16, generator=g)
     txt = torch.randn(batch, text, 32, generator=g)
-    grid = torch.cartesian_prod(torch.arange(1), torch.arange(height), torch.arange(width),
-                                torch.arange(1))
-    text_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1),
-                                    torch.arange(text))
+    txt_ids, img_ids = _flux2_ids(text, height, width)
     call = dict(hidden_states=img, encoder_hidden_states=txt, timestep=torch.zeros(batch),
-                img_ids=grid.expand(batch, -1, -1), txt_ids=text_ids.expand(batch, -1, -1))
+                img_ids=img_ids.expand(batch, -1, -1), txt_ids=txt_ids.expand(batch, -1, -1))
     return fp32, {k: v.to(ctx.device) for k, v in call.items()}
+
+
+def _flux2_ids(text: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLUX.2's position ids ``(t, h, w, l)``, as its pipeline makes them: the text tokens'
+    ``[text, 4]`` (``l`` the token's index), the image tokens' ``[height * width, 4]``."""
+    one = torch.arange(1)
+    return (torch.cartesian_prod(one, one, one, torch.arange(text)),
+            torch.cartesian_prod(one, torch.arange(height), torch.arange(width), one))
 
 
 def case_flux2_transformer(ctx):
@@ -661,12 +666,14 @@ def case_flux2_single_block_gradients(ctx):
     master weights, bf16 autocast), summed over the ranks, against the unmodified block's on
     the full sequence: the split ``to_qkv_mlp_proj`` (attention rows in the layer, MLP rows
     beside it) must give back the fused weight's gradient."""
-    from diffusers.models.transformers.transformer_flux2 import Flux2SingleTransformerBlock
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2PosEmbed,
+        Flux2SingleTransformerBlock,
+    )
 
     from cake_sp.integrations import close
     from cake_sp.integrations.diffusers import apply_ulysses
 
-    fp32, call = _flux2_transformer_problem(ctx)
     torch.manual_seed(1)
     block = Flux2SingleTransformerBlock(dim=256, num_attention_heads=4,
                                         attention_head_dim=64).to(ctx.device)
@@ -679,7 +686,8 @@ def case_flux2_single_block_gradients(ctx):
     x = torch.randn(batch, seq, 256, generator=g).to(ctx.device)
     temb = torch.randn(batch, 3 * 256, generator=g).to(ctx.device)
     weights = torch.randn(batch, seq, 256, generator=g).to(ctx.device)
-    cos, sin = fp32.pos_embed(torch.cat([call["txt_ids"][0], call["img_ids"][0]]))
+    cos, sin = Flux2PosEmbed(theta=2000, axes_dim=[16, 16, 16, 16])(
+        torch.cat(_flux2_ids(8, 7, 8)).to(ctx.device))  # 64 tokens, text first
     emb = (cos.float(), sin.float())
     s = seq // ctx.world_size
     own = slice(ctx.rank * s, (ctx.rank + 1) * s)
