@@ -5,6 +5,7 @@ Public names only; see ``docs/guide.md`` and ``docs/kernels.md``.
 
 from __future__ import annotations
 
+from cake_sp.core import UlyssesAttentionCore
 from cake_sp.kernels.fmha import (
     batch_context_with_kv_cache,
     batch_decode_with_kv_cache,
@@ -27,6 +28,7 @@ __all__ = [
     "QkvNormRopeExchangeOverlap",
     "SlotInUseError",
     "UlyssesAttention",
+    "UlyssesAttentionCore",
     "UlyssesBackendError",
     "batch_context_with_kv_cache",
     "batch_decode_with_kv_cache",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -46,3 +47,11 @@ def check_tensor(name: str, value: object, *, dtypes: Sequence[torch.dtype] | No
                          f"{value.stride()}")
     if unit_last_stride and value.numel() > 0 and value.shape[-1] > 1 and value.stride(-1) != 1:
         raise ValueError(f"{arg} must have a unit stride in its last dim, got {describe(value)}")
+
+
+def check_softmax_scale(scale: object) -> None:
+    """Raise ``ValueError`` unless ``scale`` is None or a positive finite number."""
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
+                                  and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number or None, got "
+                         f"{scale!r}")

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from cake_sp._validation import check_softmax_scale
 from cake_sp.attention import (
     attention,
     check_cu_seqlens,
@@ -174,11 +175,7 @@ class UlyssesAttention(nn.Module):
         if dtype not in PARAM_DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float32 (fp32 master "
                             f"weights; the layer computes in bf16 either way), got {dtype}")
-        scale = options["softmax_scale"]
-        if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
-                                      and scale > 0):
-            raise ValueError(f"softmax_scale must be a positive finite number or None, got "
-                             f"{scale!r}")
+        check_softmax_scale(options["softmax_scale"])
         if options["o_bias"] and not options["o_proj"]:
             raise ValueError("o_bias=True needs o_proj=True")
 

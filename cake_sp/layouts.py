@@ -224,9 +224,11 @@ class BandTransfer:
       ``[d * S_local, (d + 1) * S_local)``.  Output ``[B, S_local, W, heads, D]``:
       source ``r``'s parts side by side at ``[:, :, r]`` (``heads = sum(part_heads)``),
       so a single part of Q heads reads as ``[B, S_local, W * h, D]`` in head order.
-    * ``"scatter_heads"`` (token order -> head band; o_proj's backward): one part
-      ``[B, S_local, W * h, D]``; ``d`` receives heads ``[d * h, (d + 1) * h)``.
-      Output ``[B, W * S_local, h, D]``, tokens ordered by source rank.
+    * ``"scatter_heads"`` (token order -> head band; o_proj's backward, and the q, k, v of
+      ``UlyssesAttentionCore``): part ``i`` of source ``r`` is ``[B, S_local, W * h_i, D]``;
+      ``d`` receives its heads ``[d * h_i, (d + 1) * h_i)``.  Output
+      ``[B, W * S_local, heads, D]``, tokens ordered by source rank, the parts side by side
+      along the heads.
 
     In either direction the element ``(b, s, j, c)`` of source ``r``'s block for ``d``
     sits in part ``i``'s tensor at ``[b, s + d * src_s_step, j + d * src_h_step, c]`` and
@@ -244,8 +246,6 @@ class BandTransfer:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
         if not self.part_heads or any(h < 1 for h in self.part_heads):
             raise ValueError(f"part_heads must be positive head counts, got {self.part_heads}")
-        if self.direction == SCATTER_HEADS and len(self.part_heads) != 1:
-            raise ValueError(f"scatter_heads takes one part, got {self.part_heads}")
 
     @property
     def heads(self) -> int:
@@ -285,4 +285,4 @@ class BandTransfer:
         """``(src_s_step, src_h_step, dst_s_step, dst_h_step, offset)`` of part ``part``."""
         if self.direction == GATHER_TOKENS:
             return (seq_local, 0, 0, self.heads, self.part_offset(part))
-        return (0, self.part_heads[0], seq_local, 0, 0)
+        return (0, self.part_heads[part], seq_local, 0, self.part_offset(part))

@@ -224,11 +224,26 @@ def ulysses_attention_layer(
                          for r in range(world)], dim=1)
     q, k = (rope(norm(t, w), cos_sin, rope_style) for t, w in ((q, q_norm_weight),
                                                                 (k, k_norm_weight)))
-    group = num_q_heads // num_kv_heads
+    o = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                  key_mask=key_mask).flatten(2)
+    y = o if o_weight is None else o @ cast(o_weight).T
+    if o_bias is not None:
+        y = y + cast(o_bias)
+    return list(y.split(seq_local, dim=1))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
+              softmax_scale: float | None = None, cu_seqlens: Sequence[int] | None = None,
+              key_mask: Tensor | None = None) -> Tensor:
+    """Softmax attention written out in ``q``'s dtype: ``o [B, S, Hq, D]`` from ``q [B, S, Hq,
+    D]`` and ``k, v [B, S, Hkv, D]`` (query head ``h`` attends with K/V head ``h // (Hq /
+    Hkv)``), causal over ``S`` if ``causal``; ``cu_seqlens`` and ``key_mask`` as in
+    ``ulysses_attention_layer``.  What ``UlyssesAttentionCore`` computes on the whole sequence."""
+    batch, s, num_q_heads, d = q.shape
+    group = num_q_heads // k.shape[2]
     k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    s = scores.shape[-1]
     hidden = torch.zeros(batch, 1, s, s, dtype=torch.bool, device=scores.device)
     if causal:
         hidden |= torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
@@ -240,8 +255,4 @@ def ulysses_attention_layer(
     if key_mask is not None:
         hidden |= ~key_mask.bool().view(batch, 1, 1, s).to(scores.device)
     scores = scores.masked_fill(hidden, float("-inf"))
-    o = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v).flatten(2)
-    y = o if o_weight is None else o @ cast(o_weight).T
-    if o_bias is not None:
-        y = y + cast(o_bias)
-    return list(y.split(seq_local, dim=1))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)

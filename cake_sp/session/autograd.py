@@ -8,6 +8,9 @@
   and ``dW_qkv = dP^T @ X``.
 * ``OutputProjectionFunction``: gather by tokens -> o_proj GEMM.  Backward:
   ``d_o = dY @ W_o`` scattered by heads back to the band owners, ``dW_o = dY^T @ o``.
+* ``HeadScatterFunction``: the front end of ``UlyssesAttentionCore``, whose caller computed
+  ``q, k, v`` itself: scatter by heads.  Backward: ``dq, dk, dv`` gathered back to token
+  order, as the front end's.
 
 What each saves (per layer call on one rank, ``rows = B * S_local``):
 
@@ -23,6 +26,8 @@ What each saves (per layer call on one rank, ``rows = B * S_local``):
   writes it anyway).
 * output: the token-order ``o`` (``rows * Hq * D`` bf16), a view of the gather's
   receive slot, saved and leased likewise.
+* head scatter: nothing but the lease of its receive slot, whose q/k/v bands the
+  attention saves.
 
 The attention between them is the attention backend's own autograd (it saves
 q, k, v, o and its LSE).  Parameter gradients are this rank's contribution from
@@ -232,3 +237,42 @@ class OutputProjectionFunction(torch.autograd.Function):
             ctx.scatter, dy, o_weight, o_tokens, _lease_of(ticket),
             weight_grad=ctx.needs_input_grad[3], bias_grad=ctx.needs_input_grad[4])
         return None, None, d_o, dw, db
+
+
+class HeadScatterFunction(torch.autograd.Function):
+    """``q, k, v`` bf16 ``[B, S_local, W * h_i, D]`` (this rank's tokens, every rank's band of
+    heads side by side) -> this rank's bands over the whole sequence ``[B, W * S_local, h_i,
+    D]``: views of ``scatter``'s receive slot, leased by a saved ticket until the backward.
+
+    ``scatter``: a ``BandExchange`` of ``SCATTER_HEADS`` with the three parts; ``gather``: one
+    of ``GATHER_TOKENS`` with the same parts, which takes ``dq, dk, dv`` back to token order
+    in the backward.  Collective, forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, scatter, gather, q, k, v):
+        batch, seq_local = q.shape[:2]
+        pending = scatter.send([q, k, v], batch=batch, seq_local=seq_local)
+        scatter.wait(pending)
+        bands = scatter.output(pending).split(scatter.transfer.part_heads, dim=2)
+        ctx.save_for_backward(tickets.issue(lease=scatter.lease(pending)))
+        ctx.gather = gather
+        return bands
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (ticket,) = ctx.saved_tensors
+        lease = _lease_of(ticket)
+        if lease is not None:  # the attention's backward, which read the bands, has run
+            lease.release()
+        gather = ctx.gather
+        batch, seq = grads[0].shape[:2]
+        seq_local = seq // gather.transfer.world_size
+        pending = gather.send([g.to(torch.bfloat16) for g in grads], batch=batch,
+                              seq_local=seq_local)
+        gather.wait(pending)
+        out = gather.output(pending)  # [B, S_local, W, heads, D], a shared slot: copied out
+        t = gather.transfer
+        return (None, None, *(out[:, :, :, t.part_offset(i):t.part_offset(i) + h]
+                              .clone(memory_format=torch.contiguous_format).flatten(2, 3)
+                              for i, h in enumerate(t.part_heads)))

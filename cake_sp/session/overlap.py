@@ -175,7 +175,7 @@ class QkvNormRopeExchangeOverlap:
         probe = probe_mesh(self.device) if error is None else None
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (asdict(self.config), error, probe), group=self._group)
-        decision = _agree(gathered, env)
+        decision = agree_on_backend(gathered, env)
         self.plan: HeadPlan = plan
         self.backend: str = decision.backend.value
         self.backend_reason: str = decision.reason
@@ -411,10 +411,14 @@ def raise_unless_agreed(gathered: list[tuple[dict, tuple[str, str] | None]], *, 
             raise ValueError(f"{prefix}ranks {mismatch} (rank 0 vs rank {rank}: {detail})")
 
 
-def _agree(gathered: list, env: EnvOverrides) -> BackendDecision:
-    """Every rank's (config, error, probe) -> one decision, or the same exception on every rank."""
-    raise_unless_agreed([(config, error) for config, error, _ in gathered], prefix="",
-                        mismatch="constructed the session with different configurations")
+def agree_on_backend(gathered: list, env: EnvOverrides, *, prefix: str = "",
+                     mismatch: str = "constructed the session with different configurations"
+                     ) -> BackendDecision:
+    """Every rank's (config, error, probe) -> one decision, or the same exception on every rank
+    (``raise_unless_agreed``'s ``prefix`` and ``mismatch``).  ``config["backend"]`` is the
+    requested backend."""
+    raise_unless_agreed([(config, error) for config, error, _ in gathered], prefix=prefix,
+                        mismatch=mismatch)
     probes = [probe for _, _, probe in gathered]
     return decide_backend(gathered[0][0]["backend"], probes,
                           allow_shared_gpu=env.allow_shared_gpu)

@@ -35,7 +35,8 @@ def expected_outputs(transfer: BandTransfer, parts: list[list[torch.Tensor]], ba
                 if transfer.direction == GATHER_TOKENS:
                     out[:, :, r, off:off + h] = part[:, d * seq_local:(d + 1) * seq_local].cpu()
                 else:
-                    out[:, r * seq_local:(r + 1) * seq_local] = part[:, :, d * h:(d + 1) * h].cpu()
+                    out[:, r * seq_local:(r + 1) * seq_local, off:off + h] = \
+                        part[:, :, d * h:(d + 1) * h].cpu()
         outs.append(out)
     return outs
 
@@ -65,6 +66,8 @@ def _parts(g, transfer, batch, seq_local, device, transposed):
     (GATHER_TOKENS, 2, (1, 1, 1), 256, True),
     (SCATTER_HEADS, 2, (2,), 128, False),       # o_proj's backward
     (SCATTER_HEADS, 4, (1,), 64, True),
+    (SCATTER_HEADS, 2, (2, 1, 1), 128, True),   # the core's q, k, v
+    (SCATTER_HEADS, 4, (1, 1, 1), 64, False),
 ])
 def test_outputs_match_indexing_and_nothing_else_is_written(device, direction, world,
                                                             part_heads, head_dim, transposed):

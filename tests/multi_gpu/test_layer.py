@@ -115,10 +115,12 @@ def _check_layer(ctx, kind, *, batch=2, seq_local=13, rope_style="neox", causal=
                             call=call)
         report = {"backend": layer.backend, "reason": layer.backend_reason,
                   "errors": _errors(ctx, y, dx, grads, want_y, want_grads)}
-        # Forward only, under no_grad: the same y, and no autograd state.
+        # Forward only, under no_grad, through the same call: the same y, and no autograd
+        # state.  (Compiled, the same call matters: aot_eager runs a traced flex attention
+        # on its dense implementation, so eager and compiled agree within rounding only.)
         with torch.no_grad():
             y_eval, _, _ = _run(ctx, layer, problem, grad=False, cu_seqlens=cu_seqlens,
-                                key_mask=key_mask)
+                                key_mask=key_mask, call=call)
         report["no_grad_equal"] = bool(torch.equal(y_eval, y.detach()))
         report["no_grad_graph"] = y_eval.grad_fn is not None
     return report

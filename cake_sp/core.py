@@ -1,0 +1,257 @@
+"""``UlyssesAttentionCore``: Ulysses attention over ``q, k, v`` the caller computed itself.
+
+For a model whose front end the layer's producer does not compute (a Q/K norm over all
+heads, as Wan's; its own RoPE; LoRA on the projections), the core keeps the model's
+projections and runs only the sequence-parallel part, per rank::
+
+    q, k, v = scatter_by_heads(q, k, v)   # [B, S_local, H, D] -> [B, S, H / W, D], S = W * S_local
+    o = attention(q, k, v)                # this rank's band of heads, the whole sequence
+    o = gather_by_tokens(o)               # -> [B, S_local, Hq, D]
+
+Both exchanges are the layer's ``BandExchange``s (``session/bands.py``: NVLink stores into
+the peers' receive slots, or one NCCL all-to-all), and so are their mirrors in the
+backward (``session/autograd.py``: ``HeadScatterFunction``, ``OutputProjectionFunction``
+without a projection).  What the layer fuses into its producer (the QKV GEMM, norm and
+RoPE) stays the caller's: one more pass over q, k, v than the layer, and any math.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from cake_sp._validation import check_softmax_scale, check_tensor
+from cake_sp.attention import attention, check_key_mask, resolve_attention_backend
+from cake_sp.kernels.producer import HEAD_DIMS
+from cake_sp.layouts import GATHER_TOKENS, SCATTER_HEADS, BandTransfer, HeadPlan
+from cake_sp.session.autograd import HeadScatterFunction, OutputProjectionFunction
+from cake_sp.session.bands import (
+    make_band_exchange,
+    release_band_exchange,
+    shared_band_exchange,
+)
+from cake_sp.session.mesh import Backend, EnvOverrides, probe_mesh
+from cake_sp.session.overlap import _resolve_device, agree_on_backend, resolve_group
+
+# What q, k and v may come in: bf16 as they are, fp32 cast to bf16 (the exchange and the
+# attention run in bf16, as the layer's).
+INPUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class UlyssesAttentionCore(nn.Module):
+    """Ulysses sequence-parallel attention of ``q, k, v`` given per rank for its own tokens.
+
+    Parameters
+    ----------
+    num_q_heads, num_kv_heads, head_dim : int
+        ``num_q_heads`` divisible by the group size; ``num_kv_heads`` dividing it and
+        dividing or divisible by the group size; ``head_dim`` in 64, 128, 256.
+    causal : bool
+        Causal attention over global token order (rank ``r``'s tokens at ``[r * S_local,
+        (r + 1) * S_local)``), or bidirectional (diffusion transformers).
+    group : ProcessGroup or 1-D DeviceMesh, optional
+        The sequence-parallel group (None: the default group).
+    max_tokens : int
+        Most rows ``B * S_local`` one call may have; the exchanges' buffers are sized from it.
+    softmax_scale : float, optional
+        Defaults to ``head_dim ** -0.5``.
+    attention_backend : {"auto", "sdpa", "flash"}
+        See ``cake_sp.attention``.
+    backend : {"auto", "nvlink", "nccl"}
+        The exchanges' backend, decided as the layer's (``QkvNormRopeExchangeOverlap``).
+    num_slots : int
+        Calls under autograd that may await their backward at once (as the layer's).
+    wait_timeout_s : float
+        How long a GPU wait for a peer's data may take before the call is marked timed out.
+    device : optional
+        The ranks' device (the current CUDA device, or the CPU).
+
+    Buffers, all allocated on first use (collective: every rank makes the same calls):
+
+    * calls under autograd use exchanges of this module's own (``num_slots`` slots of
+      ``(Hq + 2 * Hkv_local * W) * D`` and ``Hq * D`` bf16 values a row, ``max_tokens``
+      rows): the attention saves views of them for its backward, in place of copies;
+    * calls without autograd, and every backward, use exchanges shared by every module of
+      the same shape on the group (one slot each), so a model's cores hold one set.
+
+    Construction is collective over ``group``: every rank builds the module with the same
+    arguments, or every rank raises the same error.  So is every call.
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, causal: bool,
+                 group: dist.ProcessGroup | None = None, max_tokens: int,
+                 softmax_scale: float | None = None, attention_backend: str = "auto",
+                 backend: str = "auto", num_slots: int = 1, wait_timeout_s: float = 30.0,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        group = resolve_group(group)
+        device = _resolve_device(device)
+        env = EnvOverrides.read()
+        if backend == Backend.AUTO.value and env.backend:
+            backend = env.backend
+        world = dist.get_world_size(group)
+        options = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       causal=causal, max_tokens=max_tokens, softmax_scale=softmax_scale,
+                       attention_backend=attention_backend, backend=backend,
+                       num_slots=num_slots, wait_timeout_s=wait_timeout_s,
+                       device_type=device.type)
+        error = None
+        try:
+            self.plan = _check_options(options, world)
+            self.attention_backend, self.attention_reason = resolve_attention_backend(
+                attention_backend, device)
+        except (ValueError, TypeError, ImportError) as exc:
+            error = (type(exc).__name__, str(exc))
+        probe = probe_mesh(device) if error is None else None
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (options, error, probe), group=group)
+        decision = agree_on_backend(gathered, env, prefix="UlyssesAttentionCore: ",
+                                    mismatch="built the core with different options")
+        self.backend, self.backend_reason = decision.backend.value, decision.reason
+        self.causal, self.softmax_scale, self.max_tokens = causal, softmax_scale, max_tokens
+        self.num_slots, self.device = num_slots, device
+        self._group, self._timeout = group, float(wait_timeout_s)
+        plan = self.plan
+        q, kv = plan.q_per_rank, plan.kv_per_rank
+        self._transfers = {
+            "scatter_qkv": BandTransfer(SCATTER_HEADS, world, (q, kv, kv), head_dim),
+            "gather_o": BandTransfer(GATHER_TOKENS, world, (q,), head_dim),
+            "gather_dqkv": BandTransfer(GATHER_TOKENS, world, (q, kv, kv), head_dim),
+            "scatter_do": BandTransfer(SCATTER_HEADS, world, (q,), head_dim),
+        }
+        self._own: dict = {}     # this module's exchanges, by transfer name
+        self._shared: dict = {}  # exchanges shared with every core of this shape
+
+    def _exchange(self, name: str, *, own: bool):
+        """The exchange of transfer ``name``: this module's own, or the shared one (built on
+        first use; collective)."""
+        held = self._own if own else self._shared
+        if name not in held:
+            common = dict(max_tokens=self.max_tokens, device=self.device,
+                          wait_timeout_s=self._timeout, what=f"core {name}")
+            if own:
+                held[name] = make_band_exchange(self.backend, self._group,
+                                                self._transfers[name],
+                                                num_slots=self.num_slots, **common)
+            else:
+                held[name] = shared_band_exchange(self.backend, self._group,
+                                                  self._transfers[name], **common)
+        return held[name]
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The sequence-parallel group (None once closed)."""
+        return self._group
+
+    @torch.compiler.disable
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *,
+                key_mask: Tensor | None = None) -> Tensor:
+        """``o [B, S_local, Hq, D]`` bf16: attention of this rank's queries over the whole
+        sequence, for this rank's tokens.
+
+        q : ``[B, S_local, Hq, D]``; k, v : ``[B, S_local, Hkv, D]``: this rank's tokens, every
+            head, bf16 (fp32 is cast to bf16), on the module's device; any strides.
+        key_mask : optional bool ``[B, S]`` over the whole sequence (``S = W * S_local``), the
+            same on every rank: False (or 0) for a key no query may attend to.
+
+        Every rank of the group calls, in the same order.  Under autograd (an input that
+        requires grad) the result is a view of this module's receive slot, leased until
+        its backward, and ``dq, dk, dv`` are fresh tensors; without, a fresh tensor.  Runs
+        eagerly under ``torch.compile`` (a graph break).
+        """
+        q, k, v = self._checked(q, k, v)
+        batch, seq_local = q.shape[:2]
+        if key_mask is not None:
+            key_mask = check_key_mask(key_mask, batch=batch,
+                                      seq=self.plan.world_size * seq_local, device=q.device)
+        if self.plan.kv_replicas > 1:  # each rank's K/V head, once per rank that uses it
+            k, v = (t.repeat_interleave(self.plan.kv_replicas, dim=2) for t in (k, v))
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        q, k, v = HeadScatterFunction.apply(
+            self._exchange("scatter_qkv", own=grad),
+            self._exchange("gather_dqkv", own=False) if grad else None,
+            *(_pushable(t) for t in (q, k, v)))
+        with torch.autocast(q.device.type, enabled=False):
+            o = attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
+                          backend=self.attention_backend, key_mask=key_mask)
+        y = OutputProjectionFunction.apply(
+            self._exchange("gather_o", own=grad),
+            self._exchange("scatter_do", own=False) if grad else None, o, None, None)
+        y = y.view(batch, seq_local, self.plan.num_q_heads, self.plan.head_dim)
+        return y if grad else y.clone()  # without autograd the slot is shared: copied out
+
+    def _checked(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``q, k, v`` checked (host checks only: every rank raises alike before any exchange)
+        and cast to bf16."""
+        plan = self.plan
+        check_tensor("q", q, dtypes=INPUT_DTYPES, device=self.device, ndim=4)
+        batch, seq_local = q.shape[:2]
+        if not 1 <= batch * seq_local <= self.max_tokens:
+            raise ValueError(f"q: B * S_local = {batch * seq_local} rows; the core takes 1 to "
+                             f"max_tokens={self.max_tokens}")
+        check_tensor("q", q, shape=(batch, seq_local, plan.num_q_heads, plan.head_dim))
+        kv_shape = (batch, seq_local, plan.num_kv_heads, plan.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            check_tensor(name, t, dtypes=INPUT_DTYPES, device=self.device, shape=kv_shape)
+        return tuple(t.to(torch.bfloat16) for t in (q, k, v))
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Device memory of the exchanges this module holds (shared ones counted in each)."""
+        return sum(e.nbytes for e in (*self._own.values(), *self._shared.values()))
+
+    def synchronize(self) -> None:
+        """Wait for this rank's enqueued work; raise if an exchange timed out
+        (``PeerTimeoutError``)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        for exchange in (*self._own.values(), *self._shared.values()):
+            exchange.check()
+
+    def close(self) -> None:
+        """Release the exchanges (collective on the NVLink path).  Idempotent."""
+        for exchange in self._own.values():
+            exchange.close()
+        for exchange in self._shared.values():
+            release_band_exchange(exchange)
+        self._own, self._shared, self._group = {}, {}, None
+
+    def __enter__(self) -> UlyssesAttentionCore:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def extra_repr(self) -> str:
+        plan = self.plan
+        return (f"heads={plan.num_q_heads}/{plan.num_kv_heads}, head_dim={plan.head_dim}, "
+                f"world_size={plan.world_size}, causal={self.causal}, "
+                f"backend={self.backend!r} ({self.backend_reason}), "
+                f"attention_backend={self.attention_backend!r} ({self.attention_reason})")
+
+
+def _check_options(options: dict, world: int) -> HeadPlan:
+    """The head split of ``options`` over ``world`` ranks, or the error naming the argument."""
+    plan = HeadPlan(world, options["num_q_heads"], options["num_kv_heads"], options["head_dim"])
+    if options["head_dim"] not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {options['head_dim']}")
+    for name in ("max_tokens", "num_slots"):
+        value = options[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(options["causal"], bool):
+        raise TypeError(f"causal must be a bool, got {options['causal']!r}")
+    check_softmax_scale(options["softmax_scale"])
+    backends = [b.value for b in Backend]
+    if options["backend"] not in backends:
+        raise ValueError(f"backend must be one of {backends}, got {options['backend']!r}")
+    return plan
+
+
+def _pushable(t: Tensor) -> Tensor:
+    """``t``, or a contiguous copy where the NVLink push could not read it in place (it needs
+    a unit last stride, other strides a multiple of 8 elements, 16-byte aligned data)."""
+    aligned = (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
+               and t.data_ptr() % 16 == 0)
+    return t if aligned else t.contiguous()
