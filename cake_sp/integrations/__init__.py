@@ -4,7 +4,8 @@
   Mistral, Granite, Seed-OSS, Arcee, Apertus, EXAONE 4 and the Qwen3-MoE, Qwen2-MoE,
   Granite-MoE and Mixtral models;
 * ``cake_sp.integrations.diffusers.apply_ulysses``: the attention of FLUX's and FLUX.2's
-  single- and dual-stream blocks and of Qwen-Image's blocks.
+  single- and dual-stream blocks and of Qwen-Image's blocks, and the self-attention of Wan's
+  (``diffusers_wan``).
 
 Each imports its library lazily, and refuses attentions with unmerged LoRA adapters
 (``check_adapters_merged``).  ``close(model)`` releases every layer's buffers (collective,
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from cake_sp.core import UlyssesAttentionCore
 from cake_sp.layer import UlyssesAttention
 
 
@@ -49,7 +51,8 @@ def check_adapters_merged(modules: list[tuple[str, nn.Module]]) -> None:
 
 
 def close(model: nn.Module) -> None:
-    """Close every ``UlyssesAttention`` inside ``model`` (every rank must call)."""
+    """Close every ``UlyssesAttention`` and ``UlyssesAttentionCore`` inside ``model`` (every
+    rank must call)."""
     for module in model.modules():
-        if isinstance(module, UlyssesAttention):
+        if isinstance(module, (UlyssesAttention, UlyssesAttentionCore)):
             module.close()

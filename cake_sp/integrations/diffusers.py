@@ -429,6 +429,33 @@ def _replacements() -> tuple[dict[type, type], tuple[type, ...]]:
     return kinds, (*attentions, Flux2Attention, Flux2ParallelSelfAttention)
 
 
+def _apply_wan(model: nn.Module, group, max_tokens: int, core_options: dict) -> bool:
+    """``apply_ulysses`` of a Wan transformer or block (``diffusers_wan``); False for any other
+    model."""
+    try:
+        from diffusers.models.transformers.transformer_wan import (
+            WanTransformer3DModel,
+            WanTransformerBlock,
+        )
+    except ImportError:
+        return False
+    from cake_sp.integrations.diffusers_wan import WanUlyssesAttnProcessor, shard_wan_tokens
+
+    if not isinstance(model, (WanTransformer3DModel, WanTransformerBlock)):
+        if any(isinstance(m, WanTransformerBlock) for m in model.modules()):
+            raise ValueError(f"apply_ulysses: {type(model).__name__} is not supported; of Wan, "
+                             "a WanTransformer3DModel or a WanTransformerBlock is")
+        return False
+    blocks = [model] if isinstance(model, WanTransformerBlock) else list(model.blocks)
+    for block in blocks:
+        block.attn1.set_processor(WanUlyssesAttnProcessor(block.attn1, group=group,
+                                                          max_tokens=max_tokens,
+                                                          **core_options))
+    if isinstance(model, WanTransformer3DModel):
+        shard_wan_tokens(model, group)
+    return True
+
+
 def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_options) -> nn.Module:
     """Replace the attention of every FLUX, FLUX.2 and Qwen-Image transformer block
     (``FluxSingleTransformerBlock``, ``FluxTransformerBlock``, ``Flux2SingleTransformerBlock``,
@@ -436,6 +463,12 @@ def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_opti
     transformer, or one block) in place; every rank must call.  Returns ``model``.  A whole
     ``QwenImageTransformer2DModel`` also gets its ``pos_embed`` hooked, so that each rank's
     blocks receive its rows of the whole sequence's frequencies.
+
+    A ``WanTransformer3DModel`` or one ``WanTransformerBlock``: the processor of every
+    block's self-attention becomes a ``WanUlyssesAttnProcessor`` (``diffusers_wan``; its
+    ``UlyssesAttentionCore`` takes ``layer_options`` of the core's), and a whole transformer
+    gets hooks that shard its tokens inside, so that every rank calls it with the whole
+    inputs and gets the whole output.
 
     ``max_tokens``: most rows ``B * S_local`` one call may have on a rank (of each stream,
     in a dual-stream block).  Raises ``ValueError``, before replacing anything, for a FLUX
@@ -445,6 +478,8 @@ def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_opti
     """
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 
+    if _apply_wan(model, group, max_tokens, layer_options):
+        return model
     kinds, attentions = _replacements()
     supported = ", ".join(k.__name__ for k in kinds)
     blocks = [(n, m) for n, m in model.named_modules() if type(m) in kinds]

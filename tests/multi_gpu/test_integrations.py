@@ -887,6 +887,81 @@ def case_qwen_image_whole_calls(ctx):
         max_tokens=64)
 
 
+def _wan_problem(ctx, *, per_token_timestep: bool):
+    """A random fp32 Wan transformer (two blocks, dim 256, 4 heads of 64, Q/K norms over all
+    heads; the self-attention's output projection scaled up as FLUX's above) on
+    ``ctx.device``, and its whole inputs: latents ``[2, 4, 2, 8, 8]`` (32 tokens), text
+    ``[2, 7, 32]`` (7 tokens: the text is not split) and a timestep per sample, or per token
+    (Wan 2.2 TI2V)."""
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    fp32 = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4,
+                                 attention_head_dim=64, in_channels=4, out_channels=4,
+                                 text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
+                                 rope_max_seq_len=32).to(ctx.device)
+    with torch.no_grad():
+        for block in fp32.blocks:
+            block.attn1.to_out[0].weight.mul_(ATTENTION_GAIN)
+    g = torch.Generator().manual_seed(13)
+    batch, tokens = 2, 2 * 4 * 4
+    latents = torch.randn(batch, 4, 2, 8, 8, generator=g).to(ctx.device)
+    text = torch.randn(batch, 7, 32, generator=g).to(ctx.device)
+    shape = (batch, tokens) if per_token_timestep else (batch,)
+    timestep = torch.randint(0, 1000, shape, generator=g).float().to(ctx.device)
+    return fp32, latents, text, timestep
+
+
+def _check_wan(ctx, *, gradients: bool, per_token_timestep: bool = False) -> dict:
+    """The whole Wan transformer under ``apply_ulysses``, called on every rank with the whole
+    inputs, against the unmodified model: the whole output, or (``gradients``) every
+    parameter's gradient of a weighted sum of it, summed over the ranks, with fp32 master
+    weights under bf16 autocast and activation checkpointing."""
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import apply_ulysses
+    from cake_sp.integrations.diffusers_wan import WanUlyssesAttnProcessor
+
+    fp32, latents, text, timestep = _wan_problem(ctx, per_token_timestep=per_token_timestep)
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    ours = apply_ulysses(copy.deepcopy(fp32 if gradients else bf16), max_tokens=64)
+    if gradients:
+        ours.enable_gradient_checkpointing()
+    weights = torch.randn(latents.shape, generator=torch.Generator().manual_seed(14))
+    weights = weights.to(ctx.device)
+
+    def run(model, dtype):
+        call = dict(hidden_states=latents.to(dtype), timestep=timestep,
+                    encoder_hidden_states=text.to(dtype), return_dict=False)
+        if not gradients:
+            with torch.no_grad():
+                return model(**call)[0].float()
+        (model(**call)[0].float() * weights).sum().backward()
+        flat = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        if model is ours:
+            dist.all_reduce(flat)  # each rank's tokens' share of the gradient
+        return flat
+
+    want, peer = run(fp32, torch.float32), run(bf16, torch.bfloat16)
+    with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=gradients):
+        got = run(ours, torch.float32 if gradients else torch.bfloat16)
+    replaced = sum(isinstance(m, WanUlyssesAttnProcessor) for m in ours.modules())
+    close(ours)
+    return {"replaced": replaced, "rel_error": relative_error(got, want),
+            "bf16_rel_error": relative_error(peer, want)}
+
+
+def case_wan_transformer(ctx):
+    return _check_wan(ctx, gradients=False)
+
+
+def case_wan_transformer_per_token_timestep(ctx):
+    return _check_wan(ctx, gradients=False, per_token_timestep=True)
+
+
+def case_wan_transformer_gradients(ctx):
+    return _check_wan(ctx, gradients=True)
+
+
 def _with_lora(model: nn.Module, targets: list[str]) -> nn.Module:
     """``model`` with a random LoRA adapter (PEFT) on the modules named ``targets``, not
     merged."""
@@ -1078,7 +1153,8 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_qwen_image_transformer, case_qwen_image_transformer_gradients,
                 case_flux_transformer_whole_calls, case_qwen_image_whole_calls,
                 case_flux2_transformer, case_flux2_single_block_gradients,
-                case_flux2_transformer_whole_calls]
+                case_flux2_transformer_whole_calls, case_wan_transformer,
+                case_wan_transformer_per_token_timestep, case_wan_transformer_gradients]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
