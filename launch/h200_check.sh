@@ -22,8 +22,9 @@
 # Compute's DRAM, L2 and L1 traffic of one call per arm, NCU_ARMS on the row NCU_ROW, as one
 # table; NCU_METRICS replaces the metrics),
 # kernels-band (the band push with virtual ranks), layer-shared (UlyssesAttention with W = 2, 4
-# processes sharing GPU 0 over NVLink), integrations-shared (the transformers and diffusers
-# drop-ins the same way; diffusers may be carried in .whl/), bench-layer (the layer benchmark, one rank) and
+# processes sharing GPU 0 over NVLink), core-shared (UlyssesAttentionCore the same way, W = 2,
+# 4, 8), integrations-shared (the transformers and diffusers drop-ins the same way;
+# CAKE_SP_TEST_INTEGRATION_CASES picks cases; diffusers may be carried in .whl/), bench-layer (the layer benchmark, one rank) and
 # bench-layer-shared (its smoke run with two ranks sharing GPU 0), sanitizer-layer (memcheck and
 # racecheck on one small layer forward + backward), train-shared (launch/train_steps.py: 200
 # AdamW steps of a small Qwen3 under apply_ulysses, TRAIN_WORLD processes sharing GPU 0,
@@ -126,6 +127,9 @@ run_named() {
                                  CAKE_SP_TEST_INTEGRATION_WORLDS=${SHARED_WORLDS:-2,4} \
                                  "${PYTEST_SERIAL[@]}" -s tests/multi_gpu/test_integrations.py ;;
         kernels-band) run_stage kernels-band "${PYTEST[@]}" tests/kernels/test_band_push.py ;;
+        core-shared) run_stage core-shared env CAKE_SP_TEST_DEVICE=cuda-shared \
+                         CAKE_SP_TEST_BACKEND=nvlink CAKE_SP_TEST_WORLDS=${SHARED_WORLDS:-2,4,8} \
+                         "${PYTEST_SERIAL[@]}" -s tests/multi_gpu/test_core.py ;;
         demo) run_stage demo torchrun --standalone --nproc-per-node=1 launch/demo.py ;;
         sanitizer)
             # The in-process protocol (W = 2), and the producer without signals (the NCCL

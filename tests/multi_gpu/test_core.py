@@ -3,7 +3,8 @@ float64 attention over the whole sequence, calls without grad, two cores and act
 checkpointing under one backward, slot leases, and bad input raising on every rank.
 
 On CPUs the ranks use gloo and the NCCL path; ``CAKE_SP_TEST_DEVICE`` (see ``_ranks.py``)
-runs the same cases on GPUs, ``CAKE_SP_TEST_WORLDS`` picks W.
+runs the same cases on GPUs, ``CAKE_SP_TEST_WORLDS`` picks W and ``CAKE_SP_TEST_BACKEND`` the
+backend the cores must have chosen.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cake_sp import SlotInUseError, UlyssesAttentionCore, reference
 pytestmark = pytest.mark.multi_gpu
 
 WORLDS = [int(w) for w in os.environ.get("CAKE_SP_TEST_WORLDS", "2,4,8").split(",")]
+EXPECTED_BACKEND = os.environ.get("CAKE_SP_TEST_BACKEND", "nccl")
 HEAD_DIM = 64
 MAX_TOKENS = 64
 
@@ -165,6 +167,7 @@ def _check_errors(world, name, per_rank) -> str:
             worst[what] = max(worst.get(what, 0.0), err)
             bound = FORWARD_RTOL if what.startswith("o") else GRAD_RTOL
             assert err <= bound, f"W={world} {name}: {what} relative error {err:.3g} > {bound}"
+        assert report.get("backend", EXPECTED_BACKEND) == EXPECTED_BACKEND, report["backend"]
         if "no_grad_equal" in report:
             assert report["no_grad_equal"] and report["no_grad_kept"], report
             assert not report["no_grad_graph"], report

@@ -29,6 +29,9 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.multi_gpu
 
 WORLDS = [int(w) for w in os.environ.get("CAKE_SP_TEST_INTEGRATION_WORLDS", "2,4").split(",")]
+# Comma-separated case names (without "case_") to run only those (of CASES).
+ONLY_CASES = {f"case_{c}" for c in
+              os.environ.get("CAKE_SP_TEST_INTEGRATION_CASES", "").split(",") if c}
 NOISE_FACTOR = 1.5
 TRAIN_STEPS = 20
 # Training diverges by chance in both runs: per seed of the token ids, the loss curve's largest
@@ -1259,10 +1262,17 @@ def integration_verdict(world: int, name: str, per_rank: list[dict]) -> str:
         return f"FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
 
 
+def _cases() -> list:
+    unknown = ONLY_CASES - {c.__name__ for c in CASES}
+    if unknown:
+        raise ValueError(f"CAKE_SP_TEST_INTEGRATION_CASES names unknown cases {sorted(unknown)}")
+    return [c for c in CASES if not ONLY_CASES or c.__name__ in ONLY_CASES]
+
+
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
 def reports(request):
     pytest.importorskip("diffusers")
-    return request.param, run_cases(request.param, CASES, integration_verdict)
+    return request.param, run_cases(request.param, _cases(), integration_verdict)
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
@@ -1274,6 +1284,8 @@ def training_reports(request):
 def test_integration(reports, case):
     world, by_case = reports
     name = case.__name__
+    if name not in by_case:
+        pytest.skip("CAKE_SP_TEST_INTEGRATION_CASES selects others")
     print(f"W={world} {name}: {CHECKS[name](world, name, by_case[name])}")
 
 
