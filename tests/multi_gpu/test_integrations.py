@@ -890,32 +890,40 @@ def case_qwen_image_whole_calls(ctx):
         max_tokens=64)
 
 
-def _wan_problem(ctx, *, per_token_timestep: bool):
+WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64,
+                  in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
+                  num_layers=2, rope_max_seq_len=32)
+
+
+def _wan_problem(ctx, *, per_token_timestep: bool, image: bool):
     """A random fp32 Wan transformer (two blocks, dim 256, 4 heads of 64, Q/K norms over all
     heads; the self-attention's output projection scaled up as FLUX's above) on
     ``ctx.device``, and its whole inputs: latents ``[2, 4, 2, 8, 8]`` (32 tokens), text
-    ``[2, 7, 32]`` (7 tokens: the text is not split) and a timestep per sample, or per token
-    (Wan 2.2 TI2V)."""
+    ``[2, 7, 32]`` (7 tokens: the text is not split), a timestep per sample or per token
+    (Wan 2.2 TI2V), and with ``image`` (Wan 2.1 I2V) 5 image-encoder tokens, the text then
+    512 tokens (Wan's cross-attention takes the last 512 as the text)."""
     from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
     torch.manual_seed(0)
-    fp32 = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4,
-                                 attention_head_dim=64, in_channels=4, out_channels=4,
-                                 text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
-                                 rope_max_seq_len=32).to(ctx.device)
+    image_options = dict(image_dim=16, added_kv_proj_dim=256) if image else {}
+    fp32 = WanTransformer3DModel(**WAN_CONFIG, **image_options).to(ctx.device)
     with torch.no_grad():
         for block in fp32.blocks:
             block.attn1.to_out[0].weight.mul_(ATTENTION_GAIN)
     g = torch.Generator().manual_seed(13)
     batch, tokens = 2, 2 * 4 * 4
-    latents = torch.randn(batch, 4, 2, 8, 8, generator=g).to(ctx.device)
-    text = torch.randn(batch, 7, 32, generator=g).to(ctx.device)
+    inputs = dict(hidden_states=torch.randn(batch, 4, 2, 8, 8, generator=g),
+                  encoder_hidden_states=torch.randn(batch, 512 if image else 7, 32,
+                                                    generator=g))
+    if image:
+        inputs["encoder_hidden_states_image"] = torch.randn(batch, 5, 16, generator=g)
     shape = (batch, tokens) if per_token_timestep else (batch,)
     timestep = torch.randint(0, 1000, shape, generator=g).float().to(ctx.device)
-    return fp32, latents, text, timestep
+    return fp32, {k: v.to(ctx.device) for k, v in inputs.items()}, timestep
 
 
-def _check_wan(ctx, *, gradients: bool, per_token_timestep: bool = False) -> dict:
+def _check_wan(ctx, *, gradients: bool, per_token_timestep: bool = False,
+               image: bool = False) -> dict:
     """The whole Wan transformer under ``apply_ulysses``, called on every rank with the whole
     inputs, against the unmodified model: the whole output, or (``gradients``) every
     parameter's gradient of a weighted sum of it, summed over the ranks, with fp32 master
@@ -924,17 +932,18 @@ def _check_wan(ctx, *, gradients: bool, per_token_timestep: bool = False) -> dic
     from cake_sp.integrations.diffusers import apply_ulysses
     from cake_sp.integrations.diffusers_wan import WanUlyssesAttnProcessor
 
-    fp32, latents, text, timestep = _wan_problem(ctx, per_token_timestep=per_token_timestep)
+    fp32, inputs, timestep = _wan_problem(ctx, per_token_timestep=per_token_timestep,
+                                          image=image)
     bf16 = copy.deepcopy(fp32).bfloat16()
     ours = apply_ulysses(copy.deepcopy(fp32 if gradients else bf16), max_tokens=64)
     if gradients:
         ours.enable_gradient_checkpointing()
-    weights = torch.randn(latents.shape, generator=torch.Generator().manual_seed(14))
-    weights = weights.to(ctx.device)
+    weights = torch.randn(inputs["hidden_states"].shape,
+                          generator=torch.Generator().manual_seed(14)).to(ctx.device)
 
     def run(model, dtype):
-        call = dict(hidden_states=latents.to(dtype), timestep=timestep,
-                    encoder_hidden_states=text.to(dtype), return_dict=False)
+        call = {k: v.to(dtype) for k, v in inputs.items()}
+        call.update(timestep=timestep, return_dict=False)
         if not gradients:
             with torch.no_grad():
                 return model(**call)[0].float()
@@ -963,6 +972,10 @@ def case_wan_transformer_per_token_timestep(ctx):
 
 def case_wan_transformer_gradients(ctx):
     return _check_wan(ctx, gradients=True)
+
+
+def case_wan_i2v_transformer(ctx):
+    return _check_wan(ctx, gradients=False, image=True)
 
 
 def _with_lora(model: nn.Module, targets: list[str]) -> nn.Module:
@@ -1045,6 +1058,18 @@ def case_flux_bad_inputs_raise(ctx):
         report["qwen zero_cond_t"] = "no error"
     except ValueError as exc:
         report["qwen zero_cond_t"] = str(exc)
+    # Wan: a VACE model (Wan blocks in a transformer whose forward the hooks do not know), and
+    # patch tokens that do not split evenly (one frame of 3 x 3 patches).
+    from diffusers.models.transformers.transformer_wan_vace import WanVACETransformer3DModel
+
+    report["wan vace"] = _refusal(apply_ulysses, WanVACETransformer3DModel(
+        **WAN_CONFIG, vace_layers=[0], vace_in_channels=4), max_tokens=8)
+    fp32, inputs, timestep = _wan_problem(ctx, per_token_timestep=False, image=False)
+    wan = apply_ulysses(fp32, max_tokens=64)
+    report["wan tokens"] = _refusal(lambda latents: wan(latents, timestep,
+                                                        inputs["encoder_hidden_states"]),
+                                    inputs["hidden_states"][:, :, :1, :6, :6])
+    close(wan)
     return report
 
 
@@ -1157,7 +1182,8 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_flux_transformer_whole_calls, case_qwen_image_whole_calls,
                 case_flux2_transformer, case_flux2_single_block_gradients,
                 case_flux2_transformer_whole_calls, case_wan_transformer,
-                case_wan_transformer_per_token_timestep, case_wan_transformer_gradients]
+                case_wan_transformer_per_token_timestep, case_wan_transformer_gradients,
+                case_wan_i2v_transformer]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
@@ -1213,8 +1239,11 @@ def _check_flux_bad_inputs(world, name, per_rank) -> str:
         assert "must have shape [B, T_local] = [2, " in r["qwen whole mask"], r
         assert "zero_cond_t=True is not supported" in r["qwen zero_cond_t"], r
         assert "['attn.to_v'] carry adapters (LoRA) not merged" in r["lora"], r["lora"]
+        assert "WanVACETransformer3DModel is not supported" in r["wan vace"], r["wan vace"]
+        assert "has 9 tokens, not a multiple of the world size" in r["wan tokens"], r
     return ("whole-sequence tables, missing text tokens, a whole text's mask and models "
-            "without supported blocks, with an unmerged LoRA or with zero_cond_t raised")
+            "without supported blocks, with an unmerged LoRA or with zero_cond_t, a Wan VACE "
+            "model and Wan tokens that do not split raised")
 
 
 def _curve_distance(a: list[float], b: list[float]) -> float:
