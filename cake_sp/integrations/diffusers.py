@@ -1,5 +1,6 @@
-"""``apply_ulysses(model)``: Ulysses sequence parallelism for the attention of FLUX, FLUX.2
-and Qwen-Image blocks.
+"""``apply_ulysses(model)``: Ulysses sequence parallelism for the attention of FLUX, FLUX.2,
+Qwen-Image and Wan blocks (Wan's in ``diffusers_wan``: its self-attention's processor over
+``UlyssesAttentionCore``, its tokens sharded inside the model).
 
 * The ``FluxAttention`` of every ``FluxSingleTransformerBlock`` becomes
   ``FluxUlyssesAttention``: a ``UlyssesAttention`` without o_proj (the block's

@@ -1,4 +1,5 @@
-"""Checks every multi-rank test module shares: an expected error, no failed rank."""
+"""Checks every multi-rank test module shares: an expected error, no failed rank, relative
+errors within their bounds."""
 
 from __future__ import annotations
 
@@ -19,3 +20,18 @@ def assert_no_rank_failed(world: int, per_rank: list[dict], name: str) -> None:
     for rank, report in enumerate(per_rank):
         assert "error" not in report, (f"W={world} rank {rank} {name}: {report.get('type')}: "
                                        f"{report.get('error')}\n{report.get('traceback', '')}")
+
+
+def worst_errors_within(world: int, name: str, per_rank: list[dict], *, forward: str,
+                        forward_rtol: float, grad_rtol: float) -> str:
+    """Every rank's ``report["errors"]`` (``{what: relative error}``) within its bound (an
+    output's, ``what`` starting with ``forward``, or a gradient's); the worst of each, as
+    one line."""
+    assert_no_rank_failed(world, per_rank, name)
+    worst = {}
+    for report in per_rank:
+        for what, err in report["errors"].items():
+            worst[what] = max(worst.get(what, 0.0), err)
+            bound = forward_rtol if what.startswith(forward) else grad_rtol
+            assert err <= bound, f"W={world} {name}: {what} relative error {err:.3g} > {bound}"
+    return "worst relative errors " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
