@@ -22,12 +22,17 @@ and shape) with a block mask of the sequences (built once per distinct ``cu_seql
 the CPU in one SDPA call per sequence.  Rows of one sequence each take the unpacked path.
 
 Key masks.  ``key_mask [B, S]`` (True: a key the row's queries may attend to; padding of a
-text encoder's tokens, for instance) goes to SDPA as a boolean mask ``[B, 1, 1, S]``
-whatever the backend (flash-attn takes no mask; PyTorch picks its memory-efficient kernel),
-except where SDPA would fall back to its math kernel or need the ``S x S`` mask: GQA or
-causal calls on a GPU take ``flex_attention`` with a block mask of the keys (built once per
-mask tensor: every layer of a forward given the same one shares it).  A query left with no
-key (every key masked, or every earlier one if causal) gets what the kernel gives there.
+text encoder's tokens, for instance).  Bidirectional calls take the masked keys out: K and V
+are compacted to each row's kept keys (their indices read to the host once per mask tensor:
+every layer of a forward given the same one shares them) and attended without a mask, on the
+backend's fastest kernel; that is the mask's meaning, not an approximation.  Under
+``torch.compile`` or CUDA-graph capture (no host read there), causal calls, and rows that
+keep no key, the mask goes to SDPA as a boolean mask ``[B, 1, 1, S]`` whatever the backend
+(flash-attn takes no mask; PyTorch picks its memory-efficient kernel), except where SDPA
+would fall back to its math kernel or need the ``S x S`` mask: GQA or causal calls on a GPU
+take ``flex_attention`` with a block mask of the keys (built once per mask tensor).  A query
+left with no key (every key masked, or every earlier one if causal) gets what the kernel
+gives there.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ _KEY_BLOCK_MASK = LastInputs()
 # An integer mask's bool form, one per mask tensor, so that the layers of a forward pass the
 # same bool tensor on and share its block mask.
 _BOOL_KEY_MASK = LastInputs()
+# The kept keys' indices of a mask tensor (a host read), likewise.
+_KEPT_KEYS = LastInputs()
 
 
 @functools.cache
@@ -148,6 +155,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: f
     ``check_key_mask``; not with ``cu_seqlens``) no query attends to a masked key."""
     batch, seq = q.shape[:2]
     if key_mask is not None:
+        kept = None if causal or _no_host_reads(q) else _kept_keys(key_mask)
+        if kept is not None:
+            k, v = (_compacted(t, kept) for t in (k, v))
+            return attention(q, k, v, causal=False, softmax_scale=softmax_scale,
+                             backend=backend)
         if q.device.type == "cuda" and (causal or q.shape[2] != k.shape[2]):
             return _flex_attention(q, k, v, softmax_scale,
                                    _key_block_mask(key_mask, causal))
@@ -158,6 +170,29 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: f
         from flash_attn import flash_attn_func
         return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
     return _sdpa(q, k, v, causal, softmax_scale)
+
+
+def _no_host_reads(q: Tensor) -> bool:
+    """Whether this call is being traced by ``torch.compile`` or captured into a CUDA graph."""
+    return torch.compiler.is_compiling() or (q.device.type == "cuda"
+                                             and torch.cuda.is_current_stream_capturing())
+
+
+def _kept_keys(key_mask: Tensor) -> Tensor | None:
+    """int64 ``[B, n]``: the indices of the keys every row of ``key_mask [B, S]`` keeps, where
+    every row keeps the same number ``n >= 1`` of them; else None.  Read to the host once per
+    mask tensor (every layer of a forward shares it)."""
+    def build():
+        counts = key_mask.sum(dim=1).tolist()
+        if counts[0] == 0 or any(c != counts[0] for c in counts):
+            return None
+        return key_mask.nonzero()[:, 1].view(len(counts), counts[0])
+    return _KEPT_KEYS.get((key_mask,), (), build)
+
+
+def _compacted(t: Tensor, kept: Tensor) -> Tensor:
+    """``t [B, S, H, D]``'s rows ``kept [B, n]`` of each batch row: ``[B, n, H, D]``."""
+    return t.gather(1, kept[:, :, None, None].expand(-1, -1, *t.shape[2:]))
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None,

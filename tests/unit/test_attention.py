@@ -185,3 +185,54 @@ def test_the_key_block_mask_is_built_once_per_mask_tensor(monkeypatch):
     core._key_block_mask(mask, False)
     core._key_block_mask(mask.clone(), False)
     assert len(built) == 4
+
+
+def _equal_count_key_mask(g: torch.Generator, batch: int, seq: int, kept: int) -> torch.Tensor:
+    """Every row keeps ``kept`` keys, at random places (one of them the first)."""
+    mask = torch.zeros(batch, seq, dtype=torch.bool)
+    for row in mask:
+        row[0] = True
+        row[1 + torch.randperm(seq - 1, generator=g)[:kept - 1]] = True
+    return mask
+
+
+@pytest.mark.parametrize("host_reads,causal", [(True, False), (False, False), (True, True)])
+def test_bidirectional_key_masks_attend_the_kept_keys_alone(host_reads, causal, monkeypatch):
+    """Rows that keep as many keys each: K and V compacted to them, attended without a mask,
+    equal to the dense mask's output and gradients; without host reads (compiling, capturing
+    a graph), and causal (compacting would move the diagonal), the masked path."""
+    import cake_sp.attention as core
+
+    monkeypatch.setattr(core, "_no_host_reads", lambda q: not host_reads)
+    compacted = []
+    real = core._compacted
+    monkeypatch.setattr(core, "_compacted", lambda t, kept: compacted.append(1) or real(t, kept))
+    g = torch.Generator().manual_seed(5)
+    batch, seq = 2, 13
+    q, k, v = (t.requires_grad_(True) for t in _gqa_inputs(g, batch, seq))
+    mask = _equal_count_key_mask(g, batch, seq, kept=8)
+    got = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa", key_mask=mask)
+    assert len(compacted) == (2 if host_reads and not causal else 0)
+    allowed = mask.view(batch, 1, 1, seq).expand(batch, 1, seq, seq)
+    if causal:
+        allowed = allowed & torch.ones(seq, seq, dtype=torch.bool).tril()
+    dy = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(got, (q, k, v), dy)
+    want = _dense_sdpa(q, k, v, allowed)
+    want_grads = torch.autograd.grad(want, (q, k, v), dy)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for mine, theirs in zip(grads, want_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+    assert (grads[1][~mask] == 0).all(), "a masked key got a gradient"
+
+
+def test_kept_keys_are_read_once_per_mask_tensor():
+    """One host read per mask tensor; None where rows keep different numbers of keys, or none."""
+    import cake_sp.attention as core
+
+    mask = torch.tensor([[True, False, True, True], [False, True, True, True]])
+    kept = core._kept_keys(mask)
+    assert kept.tolist() == [[0, 2, 3], [1, 2, 3]]
+    assert core._kept_keys(mask) is kept
+    assert core._kept_keys(torch.tensor([[True, True, False], [True, False, False]])) is None
+    assert core._kept_keys(torch.tensor([[False, False], [False, False]])) is None
