@@ -923,17 +923,23 @@ def _wan_problem(ctx, *, per_token_timestep: bool, image: bool):
 
 
 def _check_wan(ctx, *, gradients: bool, per_token_timestep: bool = False,
-               image: bool = False) -> dict:
+               image: bool = False, lora: bool = False) -> dict:
     """The whole Wan transformer under ``apply_ulysses``, called on every rank with the whole
     inputs, against the unmodified model: the whole output, or (``gradients``) every
     parameter's gradient of a weighted sum of it, summed over the ranks, with fp32 master
-    weights under bf16 autocast and activation checkpointing."""
+    weights under bf16 autocast and activation checkpointing.  ``lora``: random LoRA adapters
+    (PEFT, not merged) on every attention's ``to_q`` and ``to_v`` first, which the drop-in
+    keeps; the model without them must be far off."""
     from cake_sp.integrations import close
     from cake_sp.integrations.diffusers import apply_ulysses
     from cake_sp.integrations.diffusers_wan import WanUlyssesAttnProcessor
 
     fp32, inputs, timestep = _wan_problem(ctx, per_token_timestep=per_token_timestep,
                                           image=image)
+    report = {}
+    if lora:
+        without = copy.deepcopy(fp32)
+        fp32 = _with_lora(fp32, ["to_q", "to_v"])
     bf16 = copy.deepcopy(fp32).bfloat16()
     ours = apply_ulysses(copy.deepcopy(fp32 if gradients else bf16), max_tokens=64)
     if gradients:
@@ -956,10 +962,12 @@ def _check_wan(ctx, *, gradients: bool, per_token_timestep: bool = False,
     want, peer = run(fp32, torch.float32), run(bf16, torch.bfloat16)
     with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=gradients):
         got = run(ours, torch.float32 if gradients else torch.bfloat16)
+    if lora:
+        report["without_lora_rel_error"] = relative_error(run(without, torch.float32), want)
     replaced = sum(isinstance(m, WanUlyssesAttnProcessor) for m in ours.modules())
     close(ours)
     return {"replaced": replaced, "rel_error": relative_error(got, want),
-            "bf16_rel_error": relative_error(peer, want)}
+            "bf16_rel_error": relative_error(peer, want), **report}
 
 
 def case_wan_transformer(ctx):
@@ -972,6 +980,10 @@ def case_wan_transformer_per_token_timestep(ctx):
 
 def case_wan_transformer_gradients(ctx):
     return _check_wan(ctx, gradients=True)
+
+
+def case_wan_transformer_lora(ctx):
+    return _check_wan(ctx, gradients=False, lora=True)
 
 
 def case_wan_i2v_transformer(ctx):
@@ -1183,7 +1195,7 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_flux2_transformer, case_flux2_single_block_gradients,
                 case_flux2_transformer_whole_calls, case_wan_transformer,
                 case_wan_transformer_per_token_timestep, case_wan_transformer_gradients,
-                case_wan_i2v_transformer]
+                case_wan_i2v_transformer, case_wan_transformer_lora]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
@@ -1207,6 +1219,9 @@ def _check_outputs(world, name, per_rank) -> str:
     if "unmasked_rel_error" in per_rank[0]:  # so must the mask (9-11x on the CPU, ~1x with it)
         farthest = max(r["unmasked_rel_error"] / r["bf16_rel_error"] for r in per_rank)
         assert farthest > 5, f"W={world} {name}: without the mask the same outputs"
+    if "without_lora_rel_error" in per_rank[0]:  # and the adapters
+        nearest = min(r["without_lora_rel_error"] / r["bf16_rel_error"] for r in per_rank)
+        assert nearest > 5, f"W={world} {name}: without the adapters the same outputs"
     worst = max(per_rank, key=lambda r: r["rel_error"] / r["bf16_rel_error"])
     return (f"relative error {worst['rel_error']:.2e} (unmodified bf16 on the same rank: "
             f"{worst['bf16_rel_error']:.2e})")
