@@ -22,12 +22,15 @@ and shape) with a block mask of the sequences (built once per distinct ``cu_seql
 the CPU in one SDPA call per sequence.  Rows of one sequence each take the unpacked path.
 
 Key masks.  ``key_mask [B, S]`` (True: a key the row's queries may attend to; padding of a
-text encoder's tokens, for instance).  Bidirectional calls take the masked keys out: K and V
-are compacted to each row's kept keys (their indices read to the host once per mask tensor:
-every layer of a forward given the same one shares them) and attended without a mask, on the
-backend's fastest kernel; that is the mask's meaning, not an approximation.  Under
-``torch.compile`` or CUDA-graph capture (no host read there), causal calls, and rows that
-keep no key, the mask goes to SDPA as a boolean mask ``[B, 1, 1, S]`` whatever the backend
+text encoder's tokens, for instance).  Where every row keeps as many keys, the masked keys are
+taken out and the rest attended with no mask, on the backend's fastest kernel; that is the
+mask's meaning, not an approximation (the mask is read to the host once per mask tensor:
+every layer of a forward given the same one shares the read).  Rows that keep their first
+``n`` keys (padding at the end) attend to ``K[:, :n]``, causally or not (a causal call's
+padding queries over all ``n``); a bidirectional call keeping other keys compacts K and V to
+them.  Under ``torch.compile`` or CUDA-graph capture (no host read there), for causal calls
+with masked keys before kept ones, and for rows keeping different numbers of keys, the mask
+goes to SDPA as a boolean mask ``[B, 1, 1, S]`` whatever the backend
 (flash-attn takes no mask; PyTorch picks its memory-efficient kernel), except where SDPA
 would fall back to its math kernel or need the ``S x S`` mask: GQA or causal calls on a GPU
 take ``flex_attention`` with a block mask of the keys (built once per mask tensor).  A query
@@ -41,6 +44,7 @@ import functools
 import importlib.util
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -155,9 +159,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: f
     ``check_key_mask``; not with ``cu_seqlens``) no query attends to a masked key."""
     batch, seq = q.shape[:2]
     if key_mask is not None:
-        kept = None if causal or _no_host_reads(q) else _kept_keys(key_mask)
-        if kept is not None:
-            k, v = (_compacted(t, kept) for t in (k, v))
+        kept = _KeptKeys() if _no_host_reads(q) else _kept_keys(key_mask)
+        if kept.prefix is not None:
+            return _prefix_attention(q, k, v, kept.prefix, causal, softmax_scale, backend)
+        if kept.index is not None and not causal:
+            k, v = (_compacted(t, kept.index) for t in (k, v))
             return attention(q, k, v, causal=False, softmax_scale=softmax_scale,
                              backend=backend)
         if q.device.type == "cuda" and (causal or q.shape[2] != k.shape[2]):
@@ -178,16 +184,45 @@ def _no_host_reads(q: Tensor) -> bool:
                                              and torch.cuda.is_current_stream_capturing())
 
 
-def _kept_keys(key_mask: Tensor) -> Tensor | None:
-    """int64 ``[B, n]``: the indices of the keys every row of ``key_mask [B, S]`` keeps, where
-    every row keeps the same number ``n >= 1`` of them; else None.  Read to the host once per
-    mask tensor (every layer of a forward shares it)."""
+@dataclass(frozen=True)
+class _KeptKeys:
+    """What a key mask ``[B, S]`` keeps, where the unmasked kernels can serve: ``prefix`` ``n``
+    where every row keeps exactly its first ``n >= 1`` keys (padding at the end), else
+    ``index`` (int64 ``[B, n]``, on the mask's device) where every row keeps ``n >= 1`` keys;
+    neither otherwise."""
+
+    prefix: int | None = None
+    index: Tensor | None = None
+
+
+def _kept_keys(key_mask: Tensor) -> _KeptKeys:
+    """``key_mask``'s ``_KeptKeys``, read to the host once per mask tensor (every layer of a
+    forward shares it)."""
     def build():
-        counts = key_mask.sum(dim=1).tolist()
-        if counts[0] == 0 or any(c != counts[0] for c in counts):
-            return None
-        return key_mask.nonzero()[:, 1].view(len(counts), counts[0])
+        host = key_mask.cpu()
+        counts = host.sum(dim=1)
+        n = int(counts[0])
+        if n == 0 or not bool((counts == n).all()):
+            return _KeptKeys()
+        if bool(host[:, :n].all()):
+            return _KeptKeys(prefix=n)
+        return _KeptKeys(index=host.nonzero()[:, 1].view(-1, n).to(key_mask.device))
     return _KEPT_KEYS.get((key_mask,), (), build)
+
+
+def _prefix_attention(q: Tensor, k: Tensor, v: Tensor, n: int, causal: bool,
+                      softmax_scale: float | None, backend: str) -> Tensor:
+    """Attention over every row's first ``n`` keys alone.  Causal: the first ``n`` queries
+    causally, and the queries after them (padding) over all ``n``, which are all the kept
+    keys before them."""
+    k, v = k[:, :n], v[:, :n]
+    options = dict(softmax_scale=softmax_scale, backend=backend)
+    if not causal:
+        return attention(q, k, v, causal=False, **options)
+    head = attention(q[:, :n], k, v, causal=True, **options)
+    if n == q.shape[1]:
+        return head
+    return torch.cat((head, attention(q[:, n:], k, v, causal=False, **options)), dim=1)
 
 
 def _compacted(t: Tensor, kept: Tensor) -> Tensor:

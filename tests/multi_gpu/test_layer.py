@@ -194,6 +194,15 @@ def case_key_mask_bidirectional_kept_keys(ctx):
                         key_mask=mask)
 
 
+def case_key_mask_causal_padded_rows(ctx):
+    """Causal GQA, both rows padded at their end by as many tokens (a batch padded to a
+    multiple of the world size): eagerly, the attention takes the first keys alone."""
+    seq_local = 10
+    mask = torch.ones(2, seq_local * ctx.world_size, dtype=torch.bool)
+    mask[:, -7:] = False
+    return _check_layer(ctx, "gqa_split", seq_local=seq_local, seed=13, key_mask=mask)
+
+
 def case_key_mask_noncausal_compiled(ctx):
     """Random keys masked, bidirectional MHA as in the diffusion drop-ins, under
     ``torch.compile``."""
@@ -621,13 +630,14 @@ CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no
          case_gqa_replicate_tails_no_norm, case_no_o_proj_flux_like,
          case_cublas_engine_saved_projection, case_cublas_engine_recomputed_positions,
          case_packed_sequences, case_packed_sequences_compiled, case_key_mask,
-         case_key_mask_bidirectional_kept_keys, case_key_mask_noncausal_compiled,
+         case_key_mask_bidirectional_kept_keys, case_key_mask_causal_padded_rows,
+         case_key_mask_noncausal_compiled,
          case_key_mask_causal_compiled,
          case_slot_leases_under_autograd,
          case_torch_compile_fullgraph, case_checkpoint_and_inference,
          case_bad_arguments_raise_everywhere, case_fsdp2_on_a_2d_mesh, case_gpu_real_shape,
          case_gpu_graph_capture_and_back_to_back]
-REFERENCE_CASES = CASES[:12] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
+REFERENCE_CASES = CASES[:13] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
 GPU_CASES = {case_gpu_real_shape.__name__, case_gpu_graph_capture_and_back_to_back.__name__}
 
 

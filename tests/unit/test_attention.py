@@ -187,32 +187,44 @@ def test_the_key_block_mask_is_built_once_per_mask_tensor(monkeypatch):
     assert len(built) == 4
 
 
-def _equal_count_key_mask(g: torch.Generator, batch: int, seq: int, kept: int) -> torch.Tensor:
-    """Every row keeps ``kept`` keys, at random places (one of them the first)."""
+def _equal_count_key_mask(g: torch.Generator, batch: int, seq: int, kept: int,
+                           prefix: bool) -> torch.Tensor:
+    """Every row keeps ``kept`` keys: its first ones (``prefix``, padding at the end), or at
+    random places (one of them the first)."""
     mask = torch.zeros(batch, seq, dtype=torch.bool)
     for row in mask:
         row[0] = True
-        row[1 + torch.randperm(seq - 1, generator=g)[:kept - 1]] = True
+        row[1 + (torch.arange(kept - 1) if prefix
+                 else torch.randperm(seq - 1, generator=g)[:kept - 1])] = True
     return mask
 
 
-@pytest.mark.parametrize("host_reads,causal", [(True, False), (False, False), (True, True)])
-def test_bidirectional_key_masks_attend_the_kept_keys_alone(host_reads, causal, monkeypatch):
-    """Rows that keep as many keys each: K and V compacted to them, attended without a mask,
-    equal to the dense mask's output and gradients; without host reads (compiling, capturing
-    a graph), and causal (compacting would move the diagonal), the masked path."""
+@pytest.mark.parametrize("host_reads,causal,prefix,path", [
+    (True, False, False, "compacted"), (True, False, True, "prefix"),
+    (True, True, True, "prefix"), (True, True, False, "masked"),
+    (False, False, False, "masked"), (False, True, True, "masked")])
+def test_key_masks_keeping_as_many_keys_attend_them_alone(host_reads, causal, prefix, path,
+                                                          monkeypatch):
+    """Rows that keep as many keys each: their first keys attended alone (a causal call's
+    padding queries over all of them), or K and V compacted to them (bidirectional), with no
+    mask; equal to the dense mask's output and gradients.  Without host reads (compiling,
+    capturing a graph), and causal calls keeping other keys, the masked path."""
     import cake_sp.attention as core
 
     monkeypatch.setattr(core, "_no_host_reads", lambda q: not host_reads)
-    compacted = []
-    real = core._compacted
-    monkeypatch.setattr(core, "_compacted", lambda t, kept: compacted.append(1) or real(t, kept))
+    taken = []
+    for name in ("_compacted", "_prefix_attention"):
+        real = getattr(core, name)
+        monkeypatch.setattr(core, name, lambda *a, real=real, name=name:
+                            taken.append(name) or real(*a))
     g = torch.Generator().manual_seed(5)
     batch, seq = 2, 13
     q, k, v = (t.requires_grad_(True) for t in _gqa_inputs(g, batch, seq))
-    mask = _equal_count_key_mask(g, batch, seq, kept=8)
+    mask = _equal_count_key_mask(g, batch, seq, kept=8, prefix=prefix)
     got = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa", key_mask=mask)
-    assert len(compacted) == (2 if host_reads and not causal else 0)
+    want_path = {"compacted": ["_compacted"] * 2, "prefix": ["_prefix_attention"],
+                 "masked": []}[path]
+    assert taken == want_path
     allowed = mask.view(batch, 1, 1, seq).expand(batch, 1, seq, seq)
     if causal:
         allowed = allowed & torch.ones(seq, seq, dtype=torch.bool).tril()
@@ -227,12 +239,15 @@ def test_bidirectional_key_masks_attend_the_kept_keys_alone(host_reads, causal, 
 
 
 def test_kept_keys_are_read_once_per_mask_tensor():
-    """One host read per mask tensor; None where rows keep different numbers of keys, or none."""
+    """One host read per mask tensor: the kept prefix, or the kept keys' indices; neither
+    where rows keep different numbers of keys, or none."""
     import cake_sp.attention as core
 
     mask = torch.tensor([[True, False, True, True], [False, True, True, True]])
     kept = core._kept_keys(mask)
-    assert kept.tolist() == [[0, 2, 3], [1, 2, 3]]
+    assert kept.prefix is None and kept.index.tolist() == [[0, 2, 3], [1, 2, 3]]
     assert core._kept_keys(mask) is kept
-    assert core._kept_keys(torch.tensor([[True, True, False], [True, False, False]])) is None
-    assert core._kept_keys(torch.tensor([[False, False], [False, False]])) is None
+    assert core._kept_keys(torch.tensor([[True, True, False], [True, True, False]])) == \
+        core._KeptKeys(prefix=2)
+    for uneven in ([[True, True, False], [True, False, False]], [[False, False], [False, False]]):
+        assert core._kept_keys(torch.tensor(uneven)) == core._KeptKeys()
