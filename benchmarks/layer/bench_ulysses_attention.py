@@ -15,6 +15,9 @@ RoPE, causal attention by ``scaled_dot_product_attention``, o_proj):
 * ``plain``: the layer written in plain PyTorch: cuBLAS projections, the per-op
   RMSNorm and RoPE of transformers, ``all_to_all_single`` per tensor both ways
   (with W = 1 no exchange runs);
+* ``cake_sp_core``: ``UlyssesAttentionCore`` around the same projections, norm, RoPE
+  and attention core as ``plain`` (cake_sp's exchanges without its fused front end: what
+  a model whose front end the layer cannot compute, Wan's, gets);
 * ``deepspeed``: DeepSpeed's ``DistributedAttention`` around the same projections,
   norm, RoPE and attention core; ``yunchang``: yunchang's ``UlyssesAttention``
   (``attn_type=TORCH_FLASH``, PyTorch's flash kernel) likewise.  Imported from the
@@ -47,7 +50,7 @@ for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": 
                    "NVSHMEM_DISABLE_NVLS": "1"}.items():
     os.environ.setdefault(key, value)
 
-from cake_sp import UlyssesAttention, reference  # noqa: E402
+from cake_sp import UlyssesAttention, UlyssesAttentionCore, reference  # noqa: E402
 from cake_sp.kernels import _config  # noqa: E402
 
 HEAD_DIM = 128
@@ -100,6 +103,11 @@ class PlainLayer(torch.nn.Module):
             from yunchang import UlyssesAttention as YunchangUlysses
             from yunchang.kernels import AttnType
             self.dist_attn = YunchangUlysses(group, attn_type=AttnType.TORCH_FLASH)
+        elif exchange == "cake_sp_core":
+            self.dist_attn = UlyssesAttentionCore(
+                ours.num_q_heads, ours.num_kv_heads, ours.head_dim, causal=True, group=group,
+                max_tokens=ours.max_tokens, attention_backend="sdpa",
+                device=ours.qkv_weight.device)
 
     @staticmethod
     def _core(q, k, v, *args, **kwargs):
@@ -130,6 +138,8 @@ class PlainLayer(torch.nn.Module):
             o = self._a2a(self._core(q, k, v), 1, 2)
         elif self.exchange == "yunchang":
             o = self.dist_attn(q, k, v, causal=True)
+        elif self.exchange == "cake_sp_core":
+            o = self.dist_attn(q, k, v)
         else:
             o = self.dist_attn(q, k, v, 0)  # batch_dim_idx: [B, S, H, D]
         return F.linear(o.reshape(b, s, -1), m.o_weight, m.o_bias)
@@ -200,11 +210,13 @@ def run_row(shape: Shape, modes, group, control, device, peers, rounds,
         extra[name] = layer(**VARIANTS[name])
         extra[name].load_state_dict(ours.state_dict())
         arms[f"cake_sp_{name}"] = lambda xx, v=extra[name]: v(xx, table)
-    exchanges = ["plain"] + [p for p, why in peers.items() if why is None]
+    exchanges = ["plain", "cake_sp_core"] + [p for p, why in peers.items() if why is None]
     if shape.world > 1 and dist.get_backend(group) != "nccl":
-        exchanges = []  # all_to_all of CUDA tensors needs NCCL: a shared-GPU smoke run
-    for name in exchanges:
-        layer = PlainLayer(ours, group, name)
+        # all_to_all of CUDA tensors needs NCCL: a shared-GPU smoke run (the core's
+        # exchanges are cake_sp's own)
+        exchanges = ["cake_sp_core"]
+    plain_layers = [PlainLayer(ours, group, name) for name in exchanges]
+    for name, layer in zip(exchanges, plain_layers):
         arms[name] = lambda xx, layer=layer: layer(xx, cos, sin)
     # The floor: the GEMMs and the attention core alone, no exchange, no norm or RoPE.
     w_qkv, w_o = ours.qkv_weight, ours.o_weight
@@ -273,6 +285,9 @@ def run_row(shape: Shape, modes, group, control, device, peers, rounds,
             print(_line(results[-1]), flush=True)
     for module in (ours, *extra.values()):
         module.close()
+    for layer in plain_layers:
+        if isinstance(getattr(layer, "dist_attn", None), UlyssesAttentionCore):
+            layer.dist_attn.close()
     return results
 
 
@@ -284,8 +299,8 @@ def _line(r: dict) -> str:
     t = r["median_ms"]
     parts = [f"{r['hidden']:>5} {r['hq']:>2}/{r['hkv']:<2} S={r['seq_global']:>6} W={r['world']} "
              f"{r['mode']:<6} cake_sp {t['cake_sp']:8.3f} ms"]
-    for name in ("cake_sp_fused", "cake_sp_save", "cake_sp_slots1", "plain", "deepspeed",
-                 "yunchang"):
+    for name in ("cake_sp_fused", "cake_sp_save", "cake_sp_slots1", "plain", "cake_sp_core",
+                 "deepspeed", "yunchang"):
         if name in t:
             parts.append(f"{name} {t[name]:8.3f} ({t[name] / t['cake_sp']:.2f}x)")
     parts.append(f"floor {t['floor']:8.3f} (cake_sp/floor {t['cake_sp'] / t['floor']:.2f})")
