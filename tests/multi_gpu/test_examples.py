@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Each example and the page that shows it whole.
 EXAMPLES = {"examples/layer.py": "README.md",
             "examples/qwen3_sequence_parallel.py": "docs/integrations.md",
-            "examples/qwen_image_sequence_parallel.py": "docs/integrations.md"}
+            "examples/qwen_image_sequence_parallel.py": "docs/integrations.md",
+            "examples/wan_sequence_parallel.py": "docs/integrations.md"}
 
 
 def _python_blocks(page: Path) -> list[str]:
@@ -36,7 +37,7 @@ def test_the_docs_show_the_example_as_it_is(example):
 def test_the_example_runs_and_exits_cleanly(example):
     if example.startswith("examples/qwen3"):
         pytest.importorskip("transformers")
-    if example.startswith("examples/qwen_image"):
+    if example.startswith(("examples/qwen_image", "examples/wan")):
         pytest.importorskip("diffusers")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
