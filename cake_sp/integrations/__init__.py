@@ -5,7 +5,7 @@
   Granite-MoE and Mixtral models;
 * ``cake_sp.integrations.diffusers.apply_ulysses``: the attention of FLUX's and FLUX.2's
   single- and dual-stream blocks and of Qwen-Image's blocks, and the self-attention of Wan's
-  (``diffusers_wan``).
+  and LTX-Video's (``diffusers_video``).
 
 Each imports its library lazily, and refuses attentions with unmerged LoRA adapters
 (``check_adapters_merged``).  ``close(model)`` releases every layer's buffers (collective,

@@ -1,6 +1,7 @@
 """``apply_ulysses(model)``: Ulysses sequence parallelism for the attention of FLUX, FLUX.2,
-Qwen-Image and Wan blocks (Wan's in ``diffusers_wan``: its self-attention's processor over
-``UlyssesAttentionCore``, its tokens sharded inside the model).
+Qwen-Image, Wan and LTX-Video blocks (the last two in ``diffusers_video``: their
+self-attentions' processors over ``UlyssesAttentionCore``, their tokens sharded inside the
+model).
 
 * The ``FluxAttention`` of every ``FluxSingleTransformerBlock`` becomes
   ``FluxUlyssesAttention``: a ``UlyssesAttention`` without o_proj (the block's
@@ -430,31 +431,38 @@ def _replacements() -> tuple[dict[type, type], tuple[type, ...]]:
     return kinds, (*attentions, Flux2Attention, Flux2ParallelSelfAttention)
 
 
-def _apply_wan(model: nn.Module, group, max_tokens: int, core_options: dict) -> bool:
-    """``apply_ulysses`` of a Wan transformer or block (``diffusers_wan``); False for any other
-    model."""
-    try:
-        from diffusers.models.transformers.transformer_wan import (
-            WanTransformer3DModel,
-            WanTransformerBlock,
-        )
-    except ImportError:
-        return False
-    from cake_sp.integrations.diffusers_wan import WanUlyssesAttnProcessor, shard_wan_tokens
+def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -> bool:
+    """``apply_ulysses`` of a Wan or LTX-Video transformer or block (``diffusers_video``);
+    False for any other model."""
+    from diffusers.models.transformers.transformer_ltx import (
+        LTXVideoTransformer3DModel,
+        LTXVideoTransformerBlock,
+    )
+    from diffusers.models.transformers.transformer_wan import (
+        WanTransformer3DModel,
+        WanTransformerBlock,
+    )
 
-    if not isinstance(model, (WanTransformer3DModel, WanTransformerBlock)):
-        if any(isinstance(m, WanTransformerBlock) for m in model.modules()):
-            raise ValueError(f"apply_ulysses: {type(model).__name__} is not supported; of Wan, "
-                             "a WanTransformer3DModel or a WanTransformerBlock is")
-        return False
-    blocks = [model] if isinstance(model, WanTransformerBlock) else list(model.blocks)
-    for block in blocks:
-        block.attn1.set_processor(WanUlyssesAttnProcessor(block.attn1, group=group,
-                                                          max_tokens=max_tokens,
-                                                          **core_options))
-    if isinstance(model, WanTransformer3DModel):
-        shard_wan_tokens(model, group)
-    return True
+    from cake_sp.integrations.diffusers_video import (
+        LTXUlyssesAttnProcessor,
+        WanUlyssesAttnProcessor,
+        shard_tokens,
+    )
+
+    kinds = {WanTransformerBlock: (WanTransformer3DModel, WanUlyssesAttnProcessor),
+             LTXVideoTransformerBlock: (LTXVideoTransformer3DModel, LTXUlyssesAttnProcessor)}
+    for block_class, (model_class, processor) in kinds.items():
+        if isinstance(model, (model_class, block_class)):
+            for block in [m for m in model.modules() if isinstance(m, block_class)]:
+                block.attn1.set_processor(processor(block.attn1, group=group,
+                                                    max_tokens=max_tokens, **core_options))
+            if isinstance(model, model_class):
+                shard_tokens(model, group)
+            return True
+        if any(isinstance(m, block_class) for m in model.modules()):
+            raise ValueError(f"apply_ulysses: {type(model).__name__} is not supported; of its "
+                             f"family, a {model_class.__name__} or a {block_class.__name__} is")
+    return False
 
 
 def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_options) -> nn.Module:
@@ -465,11 +473,11 @@ def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_opti
     ``QwenImageTransformer2DModel`` also gets its ``pos_embed`` hooked, so that each rank's
     blocks receive its rows of the whole sequence's frequencies.
 
-    A ``WanTransformer3DModel`` or one ``WanTransformerBlock``: the processor of every
-    block's self-attention becomes a ``WanUlyssesAttnProcessor`` (``diffusers_wan``; its
-    ``UlyssesAttentionCore`` takes ``layer_options`` of the core's), and a whole transformer
-    gets hooks that shard its tokens inside, so that every rank calls it with the whole
-    inputs and gets the whole output.
+    A ``WanTransformer3DModel`` or ``LTXVideoTransformer3DModel``, or one of their blocks: the
+    processor of every block's self-attention becomes a ``WanUlyssesAttnProcessor`` or
+    ``LTXUlyssesAttnProcessor`` (``diffusers_video``; its ``UlyssesAttentionCore`` takes
+    ``layer_options`` of the core's), and a whole transformer gets hooks that shard its tokens
+    inside, so that every rank calls it with the whole inputs and gets the whole output.
 
     ``max_tokens``: most rows ``B * S_local`` one call may have on a rank (of each stream,
     in a dual-stream block).  Raises ``ValueError``, before replacing anything, for a FLUX
@@ -479,7 +487,7 @@ def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_opti
     """
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 
-    if _apply_wan(model, group, max_tokens, layer_options):
+    if _apply_video(model, group, max_tokens, layer_options):
         return model
     kinds, attentions = _replacements()
     supported = ", ".join(k.__name__ for k in kinds)

@@ -919,12 +919,41 @@ def _wan_problem(ctx, *, per_token_timestep: bool, image: bool):
         inputs["encoder_hidden_states_image"] = torch.randn(batch, 5, 16, generator=g)
     shape = (batch, tokens) if per_token_timestep else (batch,)
     timestep = torch.randint(0, 1000, shape, generator=g).float().to(ctx.device)
-    return fp32, {k: v.to(ctx.device) for k, v in inputs.items()}, timestep
+    return fp32, {k: v.to(ctx.device) for k, v in inputs.items()}, {"timestep": timestep}
 
 
-def _check_wan(ctx, *, gradients: bool, per_token_timestep: bool = False,
-               image: bool = False, lora: bool = False) -> dict:
-    """The whole Wan transformer under ``apply_ulysses``, called on every rank with the whole
+def _ltx_problem(ctx, *, per_token_timestep: bool):
+    """A random fp32 LTX-Video transformer (two blocks, dim 256, 4 heads of 64, Q/K norms over
+    all heads; the self-attention's output projection scaled up as above) on ``ctx.device``,
+    and its whole inputs: tokens ``[2, 32, 8]`` (2 frames of 4 x 4), text ``[2, 7, 32]`` with
+    its padding mask (rows of 5 and 7 tokens), and a timestep per sample (``[B, 1]``, as the
+    pipelines pass it) or per token (conditioning frames)."""
+    from diffusers.models.transformers.transformer_ltx import LTXVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    fp32 = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=4,
+                                      attention_head_dim=64, cross_attention_dim=256,
+                                      num_layers=2, caption_channels=32).to(ctx.device)
+    with torch.no_grad():
+        for block in fp32.transformer_blocks:
+            block.attn1.to_out[0].weight.mul_(ATTENTION_GAIN)
+    g = torch.Generator().manual_seed(15)
+    batch, tokens = 2, 2 * 4 * 4
+    inputs = dict(hidden_states=torch.randn(batch, tokens, 8, generator=g),
+                  encoder_hidden_states=torch.randn(batch, 7, 32, generator=g))
+    mask = torch.ones(batch, 7, dtype=torch.int64)
+    mask[0, 5:] = 0
+    shape = (batch, tokens) if per_token_timestep else (batch, 1)
+    extra = dict(timestep=torch.randint(0, 1000, shape, generator=g).float(),
+                 encoder_attention_mask=mask)
+    extra = {k: v.to(ctx.device) for k, v in extra.items()}
+    extra.update(num_frames=2, height=4, width=4)
+    return fp32, {k: v.to(ctx.device) for k, v in inputs.items()}, extra
+
+
+def _check_video(ctx, problem, *, gradients: bool, lora: bool = False) -> dict:
+    """A whole video transformer (``problem``: the fp32 model, its inputs to cast to the
+    model's dtype and the others) under ``apply_ulysses``, called on every rank with the whole
     inputs, against the unmodified model: the whole output, or (``gradients``) every
     parameter's gradient of a weighted sum of it, summed over the ranks, with fp32 master
     weights under bf16 autocast and activation checkpointing.  ``lora``: random LoRA adapters
@@ -932,10 +961,9 @@ def _check_wan(ctx, *, gradients: bool, per_token_timestep: bool = False,
     keeps; the model without them must be far off."""
     from cake_sp.integrations import close
     from cake_sp.integrations.diffusers import apply_ulysses
-    from cake_sp.integrations.diffusers_wan import WanUlyssesAttnProcessor
+    from cake_sp.integrations.diffusers_video import CoreAttnProcessor
 
-    fp32, inputs, timestep = _wan_problem(ctx, per_token_timestep=per_token_timestep,
-                                          image=image)
+    fp32, inputs, extra = problem
     report = {}
     if lora:
         without = copy.deepcopy(fp32)
@@ -949,7 +977,7 @@ def _check_wan(ctx, *, gradients: bool, per_token_timestep: bool = False,
 
     def run(model, dtype):
         call = {k: v.to(dtype) for k, v in inputs.items()}
-        call.update(timestep=timestep, return_dict=False)
+        call.update(extra, return_dict=False)
         if not gradients:
             with torch.no_grad():
                 return model(**call)[0].float()
@@ -964,30 +992,47 @@ def _check_wan(ctx, *, gradients: bool, per_token_timestep: bool = False,
         got = run(ours, torch.float32 if gradients else torch.bfloat16)
     if lora:
         report["without_lora_rel_error"] = relative_error(run(without, torch.float32), want)
-    replaced = sum(isinstance(m, WanUlyssesAttnProcessor) for m in ours.modules())
+    replaced = sum(isinstance(m, CoreAttnProcessor) for m in ours.modules())
     close(ours)
     return {"replaced": replaced, "rel_error": relative_error(got, want),
             "bf16_rel_error": relative_error(peer, want), **report}
 
 
 def case_wan_transformer(ctx):
-    return _check_wan(ctx, gradients=False)
+    return _check_video(ctx, _wan_problem(ctx, per_token_timestep=False, image=False),
+                        gradients=False)
 
 
 def case_wan_transformer_per_token_timestep(ctx):
-    return _check_wan(ctx, gradients=False, per_token_timestep=True)
+    return _check_video(ctx, _wan_problem(ctx, per_token_timestep=True, image=False),
+                        gradients=False)
 
 
 def case_wan_transformer_gradients(ctx):
-    return _check_wan(ctx, gradients=True)
+    return _check_video(ctx, _wan_problem(ctx, per_token_timestep=False, image=False),
+                        gradients=True)
 
 
 def case_wan_transformer_lora(ctx):
-    return _check_wan(ctx, gradients=False, lora=True)
+    return _check_video(ctx, _wan_problem(ctx, per_token_timestep=False, image=False),
+                        gradients=False, lora=True)
+
+
+def case_ltx_transformer(ctx):
+    return _check_video(ctx, _ltx_problem(ctx, per_token_timestep=False), gradients=False)
+
+
+def case_ltx_transformer_per_token_timestep(ctx):
+    return _check_video(ctx, _ltx_problem(ctx, per_token_timestep=True), gradients=False)
+
+
+def case_ltx_transformer_gradients(ctx):
+    return _check_video(ctx, _ltx_problem(ctx, per_token_timestep=False), gradients=True)
 
 
 def case_wan_i2v_transformer(ctx):
-    return _check_wan(ctx, gradients=False, image=True)
+    return _check_video(ctx, _wan_problem(ctx, per_token_timestep=False, image=True),
+                        gradients=False)
 
 
 def _with_lora(model: nn.Module, targets: list[str]) -> nn.Module:
@@ -1076,9 +1121,9 @@ def case_flux_bad_inputs_raise(ctx):
 
     report["wan vace"] = _refusal(apply_ulysses, WanVACETransformer3DModel(
         **WAN_CONFIG, vace_layers=[0], vace_in_channels=4), max_tokens=8)
-    fp32, inputs, timestep = _wan_problem(ctx, per_token_timestep=False, image=False)
+    fp32, inputs, extra = _wan_problem(ctx, per_token_timestep=False, image=False)
     wan = apply_ulysses(fp32, max_tokens=64)
-    report["wan tokens"] = _refusal(lambda latents: wan(latents, timestep,
+    report["wan tokens"] = _refusal(lambda latents: wan(latents, extra["timestep"],
                                                         inputs["encoder_hidden_states"]),
                                     inputs["hidden_states"][:, :, :1, :6, :6])
     close(wan)
@@ -1195,7 +1240,8 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_flux2_transformer, case_flux2_single_block_gradients,
                 case_flux2_transformer_whole_calls, case_wan_transformer,
                 case_wan_transformer_per_token_timestep, case_wan_transformer_gradients,
-                case_wan_i2v_transformer, case_wan_transformer_lora]
+                case_wan_i2v_transformer, case_wan_transformer_lora, case_ltx_transformer,
+                case_ltx_transformer_per_token_timestep, case_ltx_transformer_gradients]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
