@@ -25,6 +25,7 @@ from cake_sp._validation import check_softmax_scale, check_tensor
 from cake_sp.attention import attention, check_key_mask, resolve_attention_backend
 from cake_sp.kernels.producer import HEAD_DIMS
 from cake_sp.layouts import GATHER_TOKENS, SCATTER_HEADS, BandTransfer, HeadPlan
+from cake_sp.session import ops
 from cake_sp.session.autograd import HeadScatterFunction, OutputProjectionFunction
 from cake_sp.session.bands import (
     make_band_exchange,
@@ -122,6 +123,7 @@ class UlyssesAttentionCore(nn.Module):
         }
         self._own: dict = {}     # this module's exchanges, by transfer name
         self._shared: dict = {}  # exchanges shared with every core of this shape
+        self.op_handle = ops.register(self)  # how the compiled steps name this core
 
     def _exchange(self, name: str, *, own: bool):
         """The exchange of transfer ``name``: this module's own, or the shared one (built on
@@ -139,12 +141,24 @@ class UlyssesAttentionCore(nn.Module):
                                                   self._transfers[name], **common)
         return held[name]
 
+    def scatter_exchanges(self, for_backward: bool) -> tuple:
+        """The scatter by heads of ``q, k, v`` (this module's own for a call whose backward will
+        run, else the shared one) and, for such a call, the gather by tokens of their
+        gradients (else None)."""
+        return (self._exchange("scatter_qkv", own=for_backward),
+                self._exchange("gather_dqkv", own=False) if for_backward else None)
+
+    def output_exchanges(self, for_backward: bool) -> tuple:
+        """The gather by tokens of the attention's output and, for a call whose backward will
+        run, the scatter by heads of its gradient (else None); as ``scatter_exchanges``."""
+        return (self._exchange("gather_o", own=for_backward),
+                self._exchange("scatter_do", own=False) if for_backward else None)
+
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The sequence-parallel group (None once closed)."""
         return self._group
 
-    @torch.compiler.disable
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *,
                 key_mask: Tensor | None = None) -> Tensor:
         """``o [B, S_local, Hq, D]`` bf16: attention of this rank's queries over the whole
@@ -157,8 +171,9 @@ class UlyssesAttentionCore(nn.Module):
 
         Every rank of the group calls, in the same order.  Under autograd (an input that
         requires grad) the result is a view of this module's receive slot, leased until
-        its backward, and ``dq, dk, dv`` are fresh tensors; without, a fresh tensor.  Runs
-        eagerly under ``torch.compile`` (a graph break).
+        its backward, and ``dq, dk, dv`` are fresh tensors; without, a fresh tensor.  Under
+        ``torch.compile`` the two exchanges are custom operators (``session/ops.py``), so the
+        core compiles into the model's graph with no break (``fullgraph=True``).
         """
         q, k, v = self._checked(q, k, v)
         batch, seq_local = q.shape[:2]
@@ -168,16 +183,18 @@ class UlyssesAttentionCore(nn.Module):
         if self.plan.kv_replicas > 1:  # each rank's K/V head, once per rank that uses it
             k, v = (t.repeat_interleave(self.plan.kv_replicas, dim=2) for t in (k, v))
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        q, k, v = HeadScatterFunction.apply(
-            self._exchange("scatter_qkv", own=grad),
-            self._exchange("gather_dqkv", own=False) if grad else None,
-            *(_pushable(t) for t in (q, k, v)))
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            q, k, v = ops.head_scatter(self, q, k, v)
+        else:
+            q, k, v = HeadScatterFunction.apply(*self.scatter_exchanges(grad), q, k, v)
         with torch.autocast(q.device.type, enabled=False):
             o = attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                           backend=self.attention_backend, key_mask=key_mask)
-        y = OutputProjectionFunction.apply(
-            self._exchange("gather_o", own=grad),
-            self._exchange("scatter_do", own=False) if grad else None, o, None, None)
+        if compiling:
+            y = ops.output_projection(self, o, None, None)
+        else:
+            y = OutputProjectionFunction.apply(*self.output_exchanges(grad), o, None, None)
         y = y.view(batch, seq_local, self.plan.num_q_heads, self.plan.head_dim)
         return y if grad else y.clone()  # without autograd the slot is shared: copied out
 
@@ -247,11 +264,3 @@ def _check_options(options: dict, world: int) -> HeadPlan:
     if options["backend"] not in backends:
         raise ValueError(f"backend must be one of {backends}, got {options['backend']!r}")
     return plan
-
-
-def _pushable(t: Tensor) -> Tensor:
-    """``t``, or a contiguous copy where the NVLink push could not read it in place (it needs
-    a unit last stride, other strides a multiple of 8 elements, 16-byte aligned data)."""
-    aligned = (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
-               and t.data_ptr() % 16 == 0)
-    return t if aligned else t.contiguous()

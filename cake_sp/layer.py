@@ -324,8 +324,18 @@ class UlyssesAttention(nn.Module):
         with torch.autocast(o.device.type, enabled=False):
             if torch.compiler.is_compiling():
                 return ops.output_projection(self, o, o_weight, o_bias)
-            scatter = self._backward_exchange() if torch.is_grad_enabled() else None
-            return OutputProjectionFunction.apply(self._gather, scatter, o, o_weight, o_bias)
+            return OutputProjectionFunction.apply(
+                *self.output_exchanges(torch.is_grad_enabled()), o, o_weight, o_bias)
+
+    @property
+    def plan(self):
+        """The head split over the group (``layouts.HeadPlan``)."""
+        return self.session.plan
+
+    def output_exchanges(self, for_backward: bool) -> tuple:
+        """The output step's exchanges: the gather by tokens of ``o``, and (for a call whose
+        backward will run) the scatter by heads of ``d_o``, else None."""
+        return self._gather, self._backward_exchange() if for_backward else None
 
     def _backward_exchange(self):
         """The scatter by heads of ``d_o``, built by the first forward under grad (collective:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_rotate
+from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 from torch import Tensor, nn
 
 from cake_sp.core import UlyssesAttentionCore
@@ -87,8 +89,6 @@ class WanUlyssesAttnProcessor(CoreAttnProcessor):
     the heads."""
 
     def qkv(self, attn, hidden_states, rotary_emb):
-        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
         q, k, v = _get_qkv_projections(attn, hidden_states, None)
         q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
@@ -102,12 +102,10 @@ class LTXUlyssesAttnProcessor(CoreAttnProcessor):
     channels at once (``[B, S, H * D]``), then the split into heads."""
 
     def qkv(self, attn, hidden_states, rotary_emb):
-        from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
-
         q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
         q, k = attn.norm_q(q), attn.norm_k(k)
         if rotary_emb is not None:
-            q, k = apply_rotary_emb(q, rotary_emb), apply_rotary_emb(k, rotary_emb)
+            q, k = ltx_rotate(q, rotary_emb), ltx_rotate(k, rotary_emb)
         return tuple(t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
 
 

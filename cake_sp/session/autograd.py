@@ -239,6 +239,40 @@ class OutputProjectionFunction(torch.autograd.Function):
         return None, None, d_o, dw, db
 
 
+def head_scatter_forward(scatter, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, SlotLease]:
+    """``(bands [B, W * S_local, heads, D], lease)``: ``q, k, v`` bf16 ``[B, S_local, W * h_i,
+    D]`` scattered by heads (``scatter``, a ``SCATTER_HEADS`` exchange of the three parts);
+    ``bands`` is a view of its receive slot, pinned by ``lease`` until released.  Parts the
+    NVLink push cannot read in place (it needs a unit last stride, other strides a multiple of
+    8 elements, 16-byte aligned data) are copied first.  Collective."""
+    batch, seq_local = q.shape[:2]
+    parts = [t if (t.stride(-1) == 1 and all(st % 8 == 0 for st in t.stride()[:-1])
+                   and t.data_ptr() % 16 == 0) else t.contiguous() for t in (q, k, v)]
+    pending = scatter.send(parts, batch=batch, seq_local=seq_local)
+    scatter.wait(pending)
+    return scatter.output(pending), scatter.lease(pending)
+
+
+def head_scatter_backward(gather, grads: Sequence[Tensor],
+                          lease: SlotLease | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` in token order (fresh tensors ``[B, S_local, W * h_i, D]``) from the
+    bands' gradients ``[B, W * S_local, h_i, D]``, gathered by tokens (``gather``); releases
+    ``lease`` (the forward's slot, which the attention's backward has read; None when it
+    already ended with its ticket).  Collective."""
+    if lease is not None:
+        lease.release()
+    batch, seq = grads[0].shape[:2]
+    seq_local = seq // gather.transfer.world_size
+    pending = gather.send([g.to(torch.bfloat16) for g in grads], batch=batch,
+                          seq_local=seq_local)
+    gather.wait(pending)
+    out = gather.output(pending)  # [B, S_local, W, heads, D], a shared slot: copied out
+    t = gather.transfer
+    return tuple(out[:, :, :, t.part_offset(i):t.part_offset(i) + h]
+                 .clone(memory_format=torch.contiguous_format).flatten(2, 3)
+                 for i, h in enumerate(t.part_heads))
+
+
 class HeadScatterFunction(torch.autograd.Function):
     """``q, k, v`` bf16 ``[B, S_local, W * h_i, D]`` (this rank's tokens, every rank's band of
     heads side by side) -> this rank's bands over the whole sequence ``[B, W * S_local, h_i,
@@ -251,28 +285,12 @@ class HeadScatterFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scatter, gather, q, k, v):
-        batch, seq_local = q.shape[:2]
-        pending = scatter.send([q, k, v], batch=batch, seq_local=seq_local)
-        scatter.wait(pending)
-        bands = scatter.output(pending).split(scatter.transfer.part_heads, dim=2)
-        ctx.save_for_backward(tickets.issue(lease=scatter.lease(pending)))
+        bands, lease = head_scatter_forward(scatter, q, k, v)
+        ctx.save_for_backward(tickets.issue(lease=lease))
         ctx.gather = gather
-        return bands
+        return bands.split(scatter.transfer.part_heads, dim=2)
 
     @staticmethod
     def backward(ctx, *grads):
         (ticket,) = ctx.saved_tensors
-        lease = _lease_of(ticket)
-        if lease is not None:  # the attention's backward, which read the bands, has run
-            lease.release()
-        gather = ctx.gather
-        batch, seq = grads[0].shape[:2]
-        seq_local = seq // gather.transfer.world_size
-        pending = gather.send([g.to(torch.bfloat16) for g in grads], batch=batch,
-                              seq_local=seq_local)
-        gather.wait(pending)
-        out = gather.output(pending)  # [B, S_local, W, heads, D], a shared slot: copied out
-        t = gather.transfer
-        return (None, None, *(out[:, :, :, t.part_offset(i):t.part_offset(i) + h]
-                              .clone(memory_format=torch.contiguous_format).flatten(2, 3)
-                              for i, h in enumerate(t.part_heads)))
+        return (None, None, *head_scatter_backward(ctx.gather, grads, _lease_of(ticket)))

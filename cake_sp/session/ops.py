@@ -9,11 +9,15 @@ backward helpers, so the math and the exchanges exist once.
 * ``cake_sp::front_end(handle, x, qkv_weight, ...) -> (slot, ticket)`` and
   ``cake_sp::front_end_backward``;
 * ``cake_sp::output_projection(handle, o_band, ...) -> (y, ticket)`` and
-  ``cake_sp::output_projection_backward``.
+  ``cake_sp::output_projection_backward`` (of a layer, or of an ``UlyssesAttentionCore``
+  without a projection: both give ``output_exchanges`` and ``plan``);
+* ``cake_sp::head_scatter(handle, q, k, v, ...) -> (slot, ticket)`` and
+  ``cake_sp::head_scatter_backward``: the core's scatter of the caller's q, k, v.
 
 Two things an operator cannot take or return are passed around it:
 
-* the session or layer: by ``handle``, an int from ``register`` (a constant of the graph);
+* the session, layer or core: by ``handle``, an int from ``register`` (a constant of the
+  graph);
 * what a forward keeps for its backward beyond tensors the graph owns (the slot lease,
   the gathered ``o_tokens``, a saved projection): a ticket (``session/tickets.py``), a
   tensor autograd saves, as in the eager Functions.
@@ -37,6 +41,8 @@ from cake_sp.layouts import DestLayout
 from cake_sp.session.autograd import (
     front_end_backward,
     front_end_forward,
+    head_scatter_backward,
+    head_scatter_forward,
     output_projection_backward,
     output_projection_forward,
 )
@@ -159,10 +165,9 @@ def front_end(session, x: Tensor, qkv_weight: Tensor, q_norm_weight: Tensor | No
 @torch.library.custom_op("cake_sp::output_projection", mutates_args=())
 def _output_projection(handle: int, o_band: Tensor, o_weight: Tensor | None,
                        o_bias: Tensor | None, for_backward: bool) -> tuple[Tensor, Tensor]:
-    layer = _lookup(handle)
-    if for_backward:
-        layer._backward_exchange()  # built here, in a forward every rank makes alike
-    y, o_tokens, lease = output_projection_forward(layer._gather, o_band, o_weight, o_bias)
+    # Both exchanges built here, in a forward every rank makes alike.
+    gather, _ = _lookup(handle).output_exchanges(for_backward)
+    y, o_tokens, lease = output_projection_forward(gather, o_band, o_weight, o_bias)
     if not for_backward:
         lease.release()
     return y, issue(**(dict(lease=lease, o_tokens=o_tokens) if for_backward else {}))
@@ -171,7 +176,7 @@ def _output_projection(handle: int, o_band: Tensor, o_weight: Tensor | None,
 @_output_projection.register_fake
 def _(handle, o_band, o_weight, o_bias, for_backward):
     batch, seq_global, heads, d = o_band.shape
-    world = _lookup(handle).session.world_size
+    world = _lookup(handle).plan.world_size
     width = o_weight.shape[0] if o_weight is not None else heads * d * world
     return o_band.new_empty(batch, seq_global // world, width), torch.empty(1, dtype=torch.int64)
 
@@ -179,10 +184,9 @@ def _(handle, o_band, o_weight, o_bias, for_backward):
 @torch.library.custom_op("cake_sp::output_projection_backward", mutates_args=())
 def _output_projection_backward(handle: int, ticket: Tensor, dy: Tensor,
                                 o_weight: Tensor | None, bias_grad: bool) -> list[Tensor]:
-    layer = _lookup(handle)
+    _, scatter = _lookup(handle).output_exchanges(True)
     state = redeem(ticket, "cake_sp::output_projection_backward")
-    d_o, dw, db = output_projection_backward(layer._backward_exchange(), dy, o_weight,
-                                             state.o_tokens, state.lease,
+    d_o, dw, db = output_projection_backward(scatter, dy, o_weight, state.o_tokens, state.lease,
                                              weight_grad=o_weight is not None,
                                              bias_grad=bias_grad)
     return [d_o, *(g for g in (dw, db) if g is not None)]
@@ -190,8 +194,7 @@ def _output_projection_backward(handle: int, ticket: Tensor, dy: Tensor,
 
 @_output_projection_backward.register_fake
 def _(handle, ticket, dy, o_weight, bias_grad):
-    layer = _lookup(handle)
-    plan = layer.session.plan
+    plan = _lookup(handle).plan
     batch, seq_local = dy.shape[:2]
     d_o = dy.new_empty(batch, seq_local * plan.world_size, plan.q_per_rank, plan.head_dim)
     if o_weight is None:
@@ -226,3 +229,66 @@ def output_projection(layer, o_band: Tensor, o_weight: Tensor | None,
     y, _ = torch.ops.cake_sp.output_projection(
         layer.op_handle, o_band, o_weight, o_bias, _differentiable(o_band, o_weight, o_bias))
     return y
+
+
+# -- the core's scatter of q, k, v -------------------------------------------------------------
+
+@torch.library.custom_op("cake_sp::head_scatter", mutates_args=())
+def _head_scatter(handle: int, q: Tensor, k: Tensor, v: Tensor,
+                  for_backward: bool) -> tuple[Tensor, Tensor]:
+    scatter, _ = _lookup(handle).scatter_exchanges(for_backward)
+    bands, lease = head_scatter_forward(scatter, q, k, v)
+    if not for_backward:
+        lease.release()
+    return bands, issue(**(dict(lease=lease) if for_backward else {}))
+
+
+@_head_scatter.register_fake
+def _(handle, q, k, v, for_backward):
+    plan = _lookup(handle).plan
+    batch, seq_local = q.shape[:2]
+    return (q.new_empty(batch, seq_local * plan.world_size,
+                        plan.q_per_rank + 2 * plan.kv_per_rank, plan.head_dim),
+            torch.empty(1, dtype=torch.int64))
+
+
+@torch.library.custom_op("cake_sp::head_scatter_backward", mutates_args=())
+def _head_scatter_backward(handle: int, ticket: Tensor, grad_bands: Tensor) -> list[Tensor]:
+    _, gather = _lookup(handle).scatter_exchanges(True)
+    state = redeem(ticket, "cake_sp::head_scatter_backward")
+    plan = _lookup(handle).plan
+    parts = grad_bands.split((plan.q_per_rank, plan.kv_per_rank, plan.kv_per_rank), dim=2)
+    return list(head_scatter_backward(gather, parts, state.lease))
+
+
+@_head_scatter_backward.register_fake
+def _(handle, ticket, grad_bands):
+    plan = _lookup(handle).plan
+    batch, seq = grad_bands.shape[:2]
+    seq_local, d = seq // plan.world_size, plan.head_dim
+    return [grad_bands.new_empty(batch, seq_local, plan.world_size * h, d)
+            for h in (plan.q_per_rank, plan.kv_per_rank, plan.kv_per_rank)]
+
+
+def _head_scatter_setup(ctx, inputs, output) -> None:
+    ctx.handle = inputs[0]
+    ctx.save_for_backward(output[1])
+
+
+def _head_scatter_grad(ctx, grad_bands, _grad_ticket):
+    (ticket,) = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cake_sp.head_scatter_backward(ctx.handle, ticket, grad_bands)
+    return None, dq, dk, dv, None
+
+
+torch.library.register_autograd("cake_sp::head_scatter", _head_scatter_grad,
+                                setup_context=_head_scatter_setup)
+
+
+def head_scatter(core, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The core's scatter as the operator (what the core runs under torch.compile): the
+    q, k, v bands, views of one slot-shaped output."""
+    bands, _ = torch.ops.cake_sp.head_scatter(core.op_handle, q, k, v,
+                                              _differentiable(q, k, v))
+    plan = core.plan
+    return bands.split((plan.q_per_rank, plan.kv_per_rank, plan.kv_per_rank), dim=2)

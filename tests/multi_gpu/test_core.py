@@ -56,14 +56,20 @@ def _inputs(ctx, problem: dict) -> list:
 
 
 def _check_core(ctx, *, hq: int, hkv: int, causal: bool, seed: int, batch: int = 2,
-                seq_local: int = 13, key_mask=None, dtype=torch.bfloat16) -> dict:
+                seq_local: int = 13, key_mask=None, dtype=torch.bfloat16,
+                compiled: bool = False) -> dict:
+    """The core's output and ``dq, dk, dv`` against float64 attention over the whole sequence
+    (``compiled``: under ``torch.compile(fullgraph=True)``, aot_eager), then its output
+    without grad through the same call."""
     problem = _problem(seed, ctx.world_size, hq=hq, hkv=hkv, batch=batch, seq_local=seq_local,
                        dtype=dtype)
     want_o, want_grads = _reference(problem, causal=causal, key_mask=key_mask)
     r = ctx.rank
     mask = None if key_mask is None else key_mask.to(ctx.device)
     with UlyssesAttentionCore(hq, hkv, HEAD_DIM, causal=causal, max_tokens=MAX_TOKENS,
-                              device=ctx.device) as core:
+                              device=ctx.device) as module:
+        core = torch.compile(module, backend="aot_eager", fullgraph=True) if compiled \
+            else module
         q, k, v = _inputs(ctx, problem)
         o = core(q, k, v, key_mask=mask)
         o.backward(problem["dy"][r].to(ctx.device))
@@ -76,11 +82,11 @@ def _check_core(ctx, *, hq: int, hkv: int, causal: bool, seed: int, batch: int =
             o_eval = core(q, k, v, key_mask=mask)
             kept = o_eval.clone()
             core(*(torch.randn_like(t) for t in (q, k, v)), key_mask=mask)
-        core.synchronize()
+        module.synchronize()
         return {"errors": errors, "grad_dtypes": sorted(grad_dtypes),
                 "no_grad_equal": bool(torch.equal(o_eval, o.detach())),
                 "no_grad_kept": bool(torch.equal(o_eval, kept)),
-                "no_grad_graph": o_eval.grad_fn is not None, "backend": core.backend}
+                "no_grad_graph": o_eval.grad_fn is not None, "backend": module.backend}
 
 
 def case_gqa_causal(ctx):
@@ -97,6 +103,17 @@ def case_replicated_kv_bidirectional_key_mask_fp32(ctx):
     key_mask[:, 0] = True  # every query keeps a key
     return _check_core(ctx, hq=2 * w, hkv=max(1, w // 2), causal=False, seed=2, seq_local=11,
                        key_mask=key_mask, dtype=torch.float32)
+
+
+def case_gqa_causal_key_mask_compiled(ctx):
+    """Under ``torch.compile(fullgraph=True)``: the exchanges as custom operators, no graph
+    break; a key mask (the masked path: no host read while compiling)."""
+    w = ctx.world_size
+    g = torch.Generator().manual_seed(8)
+    key_mask = torch.rand(2, 12 * w, generator=g) < 0.7
+    key_mask[:, 0] = True
+    return _check_core(ctx, hq=2 * w, hkv=w, causal=True, seed=3, seq_local=12,
+                       key_mask=key_mask, compiled=True)
 
 
 def case_two_cores_checkpoint_and_leases(ctx):
@@ -156,7 +173,8 @@ def case_bad_arguments_raise_everywhere(ctx):
 
 
 CASES = [case_gqa_causal, case_replicated_kv_bidirectional_key_mask_fp32,
-         case_two_cores_checkpoint_and_leases, case_bad_arguments_raise_everywhere]
+         case_gqa_causal_key_mask_compiled, case_two_cores_checkpoint_and_leases,
+         case_bad_arguments_raise_everywhere]
 
 
 def _check_errors(world, name, per_rank) -> str:
@@ -185,6 +203,7 @@ def _check_bad_arguments(world, name, per_rank) -> str:
 
 
 CHECKS = {case_gqa_causal.__name__: _check_errors,
+          case_gqa_causal_key_mask_compiled.__name__: _check_errors,
           case_replicated_kv_bidirectional_key_mask_fp32.__name__: _check_fp32,
           case_two_cores_checkpoint_and_leases.__name__: _check_errors,
           case_bad_arguments_raise_everywhere.__name__: _check_bad_arguments}

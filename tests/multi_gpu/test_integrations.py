@@ -951,14 +951,17 @@ def _ltx_problem(ctx, *, per_token_timestep: bool):
     return fp32, {k: v.to(ctx.device) for k, v in inputs.items()}, extra
 
 
-def _check_video(ctx, problem, *, gradients: bool, lora: bool = False) -> dict:
+def _check_video(ctx, problem, *, gradients: bool, lora: bool = False,
+                 compiled: bool = False) -> dict:
     """A whole video transformer (``problem``: the fp32 model, its inputs to cast to the
     model's dtype and the others) under ``apply_ulysses``, called on every rank with the whole
     inputs, against the unmodified model: the whole output, or (``gradients``) every
     parameter's gradient of a weighted sum of it, summed over the ranks, with fp32 master
     weights under bf16 autocast and activation checkpointing.  ``lora``: random LoRA adapters
     (PEFT, not merged) on every attention's ``to_q`` and ``to_v`` first, which the drop-in
-    keeps; the model without them must be far off."""
+    keeps; the model without them must be far off.  ``compiled``: its blocks compiled as
+    diffusers' ``compile_repeated_blocks(fullgraph=True)`` compiles them (inductor on a GPU,
+    aot_eager on the CPU)."""
     from cake_sp.integrations import close
     from cake_sp.integrations.diffusers import apply_ulysses
     from cake_sp.integrations.diffusers_video import CoreAttnProcessor
@@ -972,6 +975,9 @@ def _check_video(ctx, problem, *, gradients: bool, lora: bool = False) -> dict:
     ours = apply_ulysses(copy.deepcopy(fp32 if gradients else bf16), max_tokens=64)
     if gradients:
         ours.enable_gradient_checkpointing()
+    if compiled:
+        ours.compile_repeated_blocks(backend="inductor" if ctx.device.type == "cuda"
+                                     else "aot_eager", fullgraph=True)
     weights = torch.randn(inputs["hidden_states"].shape,
                           generator=torch.Generator().manual_seed(14)).to(ctx.device)
 
@@ -1016,6 +1022,11 @@ def case_wan_transformer_gradients(ctx):
 def case_wan_transformer_lora(ctx):
     return _check_video(ctx, _wan_problem(ctx, per_token_timestep=False, image=False),
                         gradients=False, lora=True)
+
+
+def case_wan_transformer_compiled_blocks(ctx):
+    return _check_video(ctx, _wan_problem(ctx, per_token_timestep=False, image=False),
+                        gradients=True, compiled=True)
 
 
 def case_ltx_transformer(ctx):
@@ -1240,7 +1251,8 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_flux2_transformer, case_flux2_single_block_gradients,
                 case_flux2_transformer_whole_calls, case_wan_transformer,
                 case_wan_transformer_per_token_timestep, case_wan_transformer_gradients,
-                case_wan_i2v_transformer, case_wan_transformer_lora, case_ltx_transformer,
+                case_wan_i2v_transformer, case_wan_transformer_lora,
+                case_wan_transformer_compiled_blocks, case_ltx_transformer,
                 case_ltx_transformer_per_token_timestep, case_ltx_transformer_gradients]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
