@@ -189,6 +189,7 @@ def _check_errors(world, name, per_rank) -> str:
 
 
 def _check_fp32(world, name, per_rank) -> str:
+    assert_no_rank_failed(world, per_rank, name)
     for report in per_rank:
         assert report["grad_dtypes"] == ["torch.float32"], report["grad_dtypes"]
     return _check_errors(world, name, per_rank)
