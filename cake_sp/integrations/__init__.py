@@ -15,6 +15,7 @@ like the layers' construction).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from cake_sp.core import UlyssesAttentionCore
@@ -48,6 +49,31 @@ def check_adapters_merged(modules: list[tuple[str, nn.Module]]) -> None:
         raise ValueError(f"apply_ulysses: {unmerged[:3]} carry adapters (LoRA) not merged into "
                          f"their weights, which the drop-in would lose; merge them first "
                          f"(diffusers: pipe.fuse_lora(); PEFT: model.merge_and_unload())")
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Every rank's ``[B, S_local, ...]`` joined along the tokens in rank order; the backward
+    hands each rank its own tokens' rows of the gradient."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, group) -> Tensor:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        ctx.rows = (rank * local.shape[1], local.shape[1])
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.narrow(1, *ctx.rows), None
+
+
+def gather_tokens(local: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Every rank's tokens ``local [B, S_local, ...]`` joined along dim 1 in rank order (a
+    collective).  Differentiable for a loss every rank computes alike from the whole result:
+    each rank's gradient is its own tokens' rows, so the parameters' gradients are each rank's
+    tokens' share, which a sum over the group (``dist.all_reduce``) makes whole."""
+    return _GatherTokens.apply(local, group)
 
 
 def close(model: nn.Module) -> None:

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cake_sp._memo import LastInputs
-from cake_sp.integrations import check_adapters_merged, stacked_projections
+from cake_sp.integrations import check_adapters_merged, gather_tokens, stacked_projections
 from cake_sp.layer import UlyssesAttention
 from cake_sp.session.overlap import resolve_group
 
@@ -542,8 +542,10 @@ def shard_calls(model: nn.Module, group=None) -> nn.Module:
     the ranks), and a forward hook gathers every rank's image tokens, so that each rank
     returns the whole output.  Qwen-Image's text and image tokens are first padded to a
     multiple of the world size with tokens masked as keys (the image's dropped from the
-    output); FLUX's must split evenly.  Inputs by keyword, as the pipelines pass them.  For
-    inference: the gather is not differentiable.  Returns ``model``.
+    output); FLUX's must split evenly.  Inputs by keyword, as the pipelines pass them.  The
+    gather is differentiable (``integrations.gather_tokens``): for training, every rank
+    computes the same loss of the whole output, and a sum of the gradients over the group
+    makes them whole.  Returns ``model``.
     """
     name = type(model).__name__
     if name not in _SHARDED_INPUTS:
@@ -586,10 +588,8 @@ def shard_calls(model: nn.Module, group=None) -> nn.Module:
         return (), kwargs
 
     def gather(module: nn.Module, args: tuple, kwargs: dict[str, Any], output):
-        local = (output[0] if isinstance(output, tuple) else output.sample).contiguous()
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local, group=resolved)
-        whole = torch.cat(parts, dim=1)[:, :image_tokens[0]]
+        local = output[0] if isinstance(output, tuple) else output.sample
+        whole = gather_tokens(local, resolved)[:, :image_tokens[0]]
         return (whole, *output[1:]) if isinstance(output, tuple) else type(output)(sample=whole)
 
     model.register_forward_pre_hook(shard, with_kwargs=True)

@@ -35,6 +35,7 @@ from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 from torch import Tensor, nn
 
 from cake_sp.core import UlyssesAttentionCore
+from cake_sp.integrations import gather_tokens
 from cake_sp.session.overlap import resolve_group
 
 
@@ -109,23 +110,6 @@ class LTXUlyssesAttnProcessor(CoreAttnProcessor):
         return tuple(t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
 
 
-class _GatherTokens(torch.autograd.Function):
-    """Every rank's ``[B, S_local, C]`` joined along the tokens in rank order; the backward
-    hands each rank its own tokens' rows of the gradient (every rank computes the same loss
-    of the whole output)."""
-
-    @staticmethod
-    def forward(ctx, local: Tensor, group, rank: int) -> Tensor:
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        ctx.rows = (rank * local.shape[1], local.shape[1])
-        return torch.cat(parts, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad.narrow(1, *ctx.rows), None, None
-
-
 def _input_hook(split: dict[str, tuple[int, Callable[[Tensor], bool]]],
                 own_rows: Callable[[Tensor, str], Tensor]):
     """A forward pre-hook (``with_kwargs``) that replaces each input ``split`` names (by
@@ -170,4 +154,4 @@ def shard_tokens(model: nn.Module, group=None) -> None:
     model.rope.register_forward_hook(
         lambda module, args, output: tuple(own_rows(t, "the RoPE table") for t in output))
     model.proj_out.register_forward_hook(
-        lambda module, args, output: _GatherTokens.apply(output, resolved, rank))
+        lambda module, args, output: gather_tokens(output, resolved))

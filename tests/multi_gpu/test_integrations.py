@@ -876,6 +876,51 @@ def case_flux_transformer_whole_calls(ctx):
                                           {**call, "return_dict": True}], max_tokens=128)
 
 
+def case_flux_transformer_whole_calls_gradients(ctx):
+    """Training through ``shard_calls``: every rank calls the FLUX transformer with the whole
+    inputs and computes the same loss of the whole output; the gradient of every parameter
+    outside the replaced attentions (those keep their names), summed over the ranks, against
+    the unmodified model's, fp32 master weights under bf16 autocast."""
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import (
+        DualStreamUlyssesAttention,
+        FluxUlyssesAttention,
+        apply_ulysses,
+        shard_calls,
+    )
+
+    fp32, img, txt, pooled, timestep, ids = _flux_transformer_problem(ctx)
+    text = txt.shape[1]
+    call = dict(hidden_states=img, encoder_hidden_states=txt, pooled_projections=pooled,
+                timestep=timestep, img_ids=ids[text:], txt_ids=ids[:text], return_dict=False)
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    ours = shard_calls(apply_ulysses(copy.deepcopy(fp32), max_tokens=128))
+    kept = dict(ours.named_parameters())
+    names = [n for n, _ in fp32.named_parameters() if n in kept]
+    weights = torch.randn(img.shape, generator=torch.Generator().manual_seed(16))
+    weights = weights.to(ctx.device)
+
+    def grads(model, dtype):
+        cast = {k: v.to(dtype) if k in ("hidden_states", "encoder_hidden_states",
+                                        "pooled_projections") else v for k, v in call.items()}
+        (model(**cast)[0].float() * weights).sum().backward()
+        params = dict(model.named_parameters())
+        flat = torch.cat([torch.zeros_like(params[n]).float().flatten() if params[n].grad is None
+                          else params[n].grad.float().flatten() for n in names])
+        if model is ours:
+            dist.all_reduce(flat)  # each rank's tokens' share of the gradient
+        return flat
+
+    want, peer = grads(fp32, torch.float32), grads(bf16, torch.bfloat16)
+    with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+        got = grads(ours, torch.float32)
+    replaced = sum(isinstance(m, (FluxUlyssesAttention, DualStreamUlyssesAttention))
+                   for m in ours.modules())
+    close(ours)
+    return {"replaced": replaced, "rel_error": relative_error(got, want),
+            "bf16_rel_error": relative_error(peer, want)}
+
+
 def case_qwen_image_whole_calls(ctx):
     """Every rank calls the Qwen-Image transformer with the whole inputs: 13 text tokens (not
     a multiple of W: padded by ``shard_calls``), without a mask and with one; then a 5 x 5
@@ -1247,7 +1292,8 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
                 case_flux_transformer, case_flux_transformer_compiled,
                 case_qwen_image_transformer, case_qwen_image_transformer_gradients,
-                case_flux_transformer_whole_calls, case_qwen_image_whole_calls,
+                case_flux_transformer_whole_calls, case_flux_transformer_whole_calls_gradients,
+                case_qwen_image_whole_calls,
                 case_flux2_transformer, case_flux2_single_block_gradients,
                 case_flux2_transformer_whole_calls, case_wan_transformer,
                 case_wan_transformer_per_token_timestep, case_wan_transformer_gradients,
