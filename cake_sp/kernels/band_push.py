@@ -84,6 +84,13 @@ def _band_push_kernel(src_ptr, dest_table_ptr, epoch_ptr, enter_ptr, word_table_
                     epoch)
 
 
+def readable_in_place(src: torch.Tensor) -> bool:
+    """Whether ``band_push`` can read ``src`` as it is: a unit last stride, the other strides
+    multiples of 8 elements, 16-byte aligned data (else pass a contiguous copy)."""
+    return (src.stride(-1) == 1 and all(st % 8 == 0 for st in src.stride()[:-1])
+            and src.data_ptr() % 16 == 0)
+
+
 def _check_push(transfer: BandTransfer, part: int, src: torch.Tensor, dest_table: torch.Tensor,
                 batch: int, seq_local: int, signals: ProducerSignals | None) -> None:
     if not isinstance(transfer, BandTransfer):
@@ -95,12 +102,11 @@ def _check_push(transfer: BandTransfer, part: int, src: torch.Tensor, dest_table
     if not isinstance(src, torch.Tensor) or tuple(src.shape) != shape:
         raise ValueError(f"band_push: src must have shape {shape}, got "
                          f"{getattr(src, 'shape', type(src).__name__)}")
-    if src.element_size() != 2 or src.stride(-1) != 1:
-        raise ValueError(f"band_push: src must hold 16-bit values with a unit last stride, got "
-                         f"{src.dtype} strides {src.stride()}")
-    if any(st % 8 for st in src.stride()[:-1]) or src.data_ptr() % 16:
-        raise ValueError(f"band_push: src strides {src.stride()} must be multiples of 8 elements "
-                         "and its data 16-byte aligned")
+    if src.element_size() != 2:
+        raise ValueError(f"band_push: src must hold 16-bit values, got {src.dtype}")
+    if not readable_in_place(src):
+        raise ValueError(f"band_push: src must have a unit last stride, other strides multiples "
+                         f"of 8 elements and 16-byte aligned data, got strides {src.stride()}")
     if (dest_table.dtype != torch.int64 or tuple(dest_table.shape) != (transfer.world_size,)
             or dest_table.device != src.device):
         raise ValueError(f"band_push: dest_table must be int64 [{transfer.world_size}] on "

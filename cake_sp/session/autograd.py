@@ -242,13 +242,10 @@ class OutputProjectionFunction(torch.autograd.Function):
 def head_scatter_forward(scatter, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, SlotLease]:
     """``(bands [B, W * S_local, heads, D], lease)``: ``q, k, v`` bf16 ``[B, S_local, W * h_i,
     D]`` scattered by heads (``scatter``, a ``SCATTER_HEADS`` exchange of the three parts);
-    ``bands`` is a view of its receive slot, pinned by ``lease`` until released.  Parts the
-    NVLink push cannot read in place (it needs a unit last stride, other strides a multiple of
-    8 elements, 16-byte aligned data) are copied first.  Collective."""
+    ``bands`` is a view of its receive slot, pinned by ``lease`` until released.
+    Collective."""
     batch, seq_local = q.shape[:2]
-    parts = [t if (t.stride(-1) == 1 and all(st % 8 == 0 for st in t.stride()[:-1])
-                   and t.data_ptr() % 16 == 0) else t.contiguous() for t in (q, k, v)]
-    pending = scatter.send(parts, batch=batch, seq_local=seq_local)
+    pending = scatter.send([q, k, v], batch=batch, seq_local=seq_local)
     scatter.wait(pending)
     return scatter.output(pending), scatter.lease(pending)
 

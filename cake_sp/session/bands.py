@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cake_sp.kernels import _config
-from cake_sp.kernels.band_push import band_push
+from cake_sp.kernels.band_push import band_push, readable_in_place
 from cake_sp.layouts import BandTransfer
 from cake_sp.session.channel import NvlinkChannel
 from cake_sp.session.slots import SlotLease
@@ -101,8 +101,12 @@ class NvlinkBandExchange:
         return PendingBands(self.channel.start(), batch, seq_local)
 
     def push(self, pending: PendingBands, parts: Sequence[Tensor]) -> None:
+        """Push every part; one the kernel cannot read in place (``readable_in_place``) is
+        copied first."""
         table = self.channel.ring.table(pending.slot)
         for i, part in enumerate(parts):
+            if not readable_in_place(part):
+                part = part.contiguous()
             band_push(self.transfer, i, part, table, batch=pending.batch,
                       seq_local=pending.seq_local, source_rank=self._rank,
                       signals=self.channel.signals, block_m=self.block_m)
