@@ -55,3 +55,12 @@ def check_softmax_scale(scale: object) -> None:
                                   and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number or None, got "
                          f"{scale!r}")
+
+
+def check_positive_int(name: str, value: object) -> None:
+    """``TypeError`` unless ``value`` is an int (not a bool), ``ValueError`` unless it is
+    >= 1; both name ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")

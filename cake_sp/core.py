@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from cake_sp._validation import check_softmax_scale, check_tensor
+from cake_sp._validation import check_positive_int, check_softmax_scale, check_tensor
 from cake_sp.attention import attention, check_key_mask, resolve_attention_backend
 from cake_sp.kernels.producer import HEAD_DIMS
 from cake_sp.layouts import GATHER_TOKENS, SCATTER_HEADS, BandTransfer, HeadPlan
@@ -141,6 +141,11 @@ class UlyssesAttentionCore(nn.Module):
                                                   self._transfers[name], **common)
         return held[name]
 
+    @property
+    def band_heads(self) -> tuple[int, int, int]:
+        """Heads of q, k and v each rank receives (its bands)."""
+        return self._transfers["scatter_qkv"].part_heads
+
     def scatter_exchanges(self, for_backward: bool) -> tuple:
         """The scatter by heads of ``q, k, v`` (this module's own for a call whose backward will
         run, else the shared one) and, for such a call, the gather by tokens of their
@@ -254,9 +259,7 @@ def _check_options(options: dict, world: int) -> HeadPlan:
     if options["head_dim"] not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {options['head_dim']}")
     for name in ("max_tokens", "num_slots"):
-        value = options[name]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int(name, options[name])
     if not isinstance(options["causal"], bool):
         raise TypeError(f"causal must be a bool, got {options['causal']!r}")
     check_softmax_scale(options["softmax_scale"])

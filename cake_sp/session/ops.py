@@ -245,29 +245,27 @@ def _head_scatter(handle: int, q: Tensor, k: Tensor, v: Tensor,
 
 @_head_scatter.register_fake
 def _(handle, q, k, v, for_backward):
-    plan = _lookup(handle).plan
+    core = _lookup(handle)
     batch, seq_local = q.shape[:2]
-    return (q.new_empty(batch, seq_local * plan.world_size,
-                        plan.q_per_rank + 2 * plan.kv_per_rank, plan.head_dim),
-            torch.empty(1, dtype=torch.int64))
+    return (q.new_empty(batch, seq_local * core.plan.world_size, sum(core.band_heads),
+                        core.plan.head_dim), torch.empty(1, dtype=torch.int64))
 
 
 @torch.library.custom_op("cake_sp::head_scatter_backward", mutates_args=())
 def _head_scatter_backward(handle: int, ticket: Tensor, grad_bands: Tensor) -> list[Tensor]:
-    _, gather = _lookup(handle).scatter_exchanges(True)
+    core = _lookup(handle)
+    _, gather = core.scatter_exchanges(True)
     state = redeem(ticket, "cake_sp::head_scatter_backward")
-    plan = _lookup(handle).plan
-    parts = grad_bands.split((plan.q_per_rank, plan.kv_per_rank, plan.kv_per_rank), dim=2)
+    parts = grad_bands.split(core.band_heads, dim=2)
     return list(head_scatter_backward(gather, parts, state.lease))
 
 
 @_head_scatter_backward.register_fake
 def _(handle, ticket, grad_bands):
-    plan = _lookup(handle).plan
+    core = _lookup(handle)
+    world, d = core.plan.world_size, core.plan.head_dim
     batch, seq = grad_bands.shape[:2]
-    seq_local, d = seq // plan.world_size, plan.head_dim
-    return [grad_bands.new_empty(batch, seq_local, plan.world_size * h, d)
-            for h in (plan.q_per_rank, plan.kv_per_rank, plan.kv_per_rank)]
+    return [grad_bands.new_empty(batch, seq // world, world * h, d) for h in core.band_heads]
 
 
 def _head_scatter_setup(ctx, inputs, output) -> None:
@@ -290,5 +288,4 @@ def head_scatter(core, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor,
     q, k, v bands, views of one slot-shaped output."""
     bands, _ = torch.ops.cake_sp.head_scatter(core.op_handle, q, k, v,
                                               _differentiable(q, k, v))
-    plan = core.plan
-    return bands.split((plan.q_per_rank, plan.kv_per_rank, plan.kv_per_rank), dim=2)
+    return bands.split(core.band_heads, dim=2)

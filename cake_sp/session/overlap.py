@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from cake_sp._validation import check_tensor
+from cake_sp._validation import check_positive_int, check_tensor
 from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.kernels.producer import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from cake_sp.layouts import GATHER_TOKENS, BandTransfer, DestLayout, HeadPlan
@@ -69,11 +69,7 @@ class SessionConfig:
         """Check every field; return the head plan.  ValueError/TypeError names the field."""
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "hidden", "max_tokens",
                      "num_slots"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            check_positive_int(name, getattr(self, name))
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {self.head_dim}")
         if self.hidden % HIDDEN_MULTIPLE:
