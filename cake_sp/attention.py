@@ -268,9 +268,14 @@ def _packed_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool,
 
 def _flex_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None,
                     block_mask) -> Tensor:
+    # Always the main flex kernel: below 128 queries Inductor takes its decoding kernel, which
+    # packs a K/V head's query heads into one block of next_pow2(S x group) rows and has no
+    # configuration once that exceeds the block mask's 128 rows (NoValidChoicesError at S = 88
+    # with two query heads a K/V head, PyTorch 2.11).
     o = _compiled("flex_attention")(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
-        scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
+        scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
+        kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
     return o.transpose(1, 2)
 
 

@@ -144,6 +144,34 @@ def test_the_gpu_key_mask_path_keeps_the_masked_keys_out(causal, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex attention: a GPU")
+@pytest.mark.parametrize("seq", [88, 200])
+def test_the_compiled_gpu_key_mask_path_below_128_queries(seq):
+    """The compiled flex attention on a GPU (forward and backward) where Inductor would take its
+    decoding kernel: fewer than 128 queries, two query heads a K/V head (88 x 2 rows: no
+    decoding configuration, PyTorch 2.11), and past it; against float64 SDPA with the dense
+    mask on the CPU."""
+    import cake_sp.attention as core
+
+    g = torch.Generator().manual_seed(5)
+    batch = 2
+    q = torch.randn(batch, seq, 2, 64, generator=g)
+    k, v = (torch.randn(batch, seq, 1, 64, generator=g) for _ in range(2))
+    mask = _random_key_mask(g, batch, seq)
+    dy = torch.randn(batch, seq, 2, 64, generator=g)
+    results = []
+    for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float64)):
+        inputs = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+        if device == "cuda":
+            o = core._flex_attention(*inputs, 0.3, core._key_block_mask(mask.cuda(), False))
+        else:
+            o = _dense_sdpa(*inputs, mask.view(batch, 1, 1, seq))
+        o.backward(dy.to(device, dtype))
+        results.append([t.cpu().double() for t in (o, *(t.grad for t in inputs))])
+    for got, want in zip(*results):
+        assert (got - want).norm() / want.norm() < 1e-2
+
+
 @pytest.mark.parametrize("key_mask,message", [
     (torch.ones(2, 4), "bool or integer tensor"),
     ([[True] * 4] * 2, "bool or integer tensor"),
