@@ -22,14 +22,16 @@ and shape) with a block mask of the sequences (built once per distinct ``cu_seql
 the CPU in one SDPA call per sequence.  Rows of one sequence each take the unpacked path.
 
 Key masks.  ``key_mask [B, S]`` (True: a key the row's queries may attend to; padding of a
-text encoder's tokens, for instance).  Where every row keeps as many keys, the masked keys are
+text encoder's tokens, for instance).  Where every row keeps a key, the masked keys are
 taken out and the rest attended with no mask, on the backend's fastest kernel; that is the
 mask's meaning, not an approximation (the mask is read to the host once per mask tensor:
-every layer of a forward given the same one shares the read).  Rows that keep their first
-``n`` keys (padding at the end) attend to ``K[:, :n]``, causally or not (a causal call's
-padding queries over all ``n``); a bidirectional call keeping other keys compacts K and V to
-them.  Under ``torch.compile`` or CUDA-graph capture (no host read there), for causal calls
-with masked keys before kept ones, and for rows keeping different numbers of keys, the mask
+every layer of a forward given the same one shares the read).  The rows keeping as many keys
+form one call (one call for the whole batch where every row keeps as many; the rows back in
+their order after).  Rows that keep their first ``n`` keys (padding at the end) attend to
+``K[:, :n]``, causally or not (a causal call's padding queries over all ``n``); a
+bidirectional call keeping other keys compacts K and V to them.  Under ``torch.compile`` or
+CUDA-graph capture (no host read there), for causal calls with masked keys before kept ones,
+and where a row keeps no key, the mask
 goes to SDPA as a boolean mask ``[B, 1, 1, S]`` whatever the backend
 (flash-attn takes no mask; PyTorch picks its memory-efficient kernel), except where SDPA
 would fall back to its math kernel or need the ``S x S`` mask: GQA or causal calls on a GPU
@@ -159,13 +161,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: f
     ``check_key_mask``; not with ``cu_seqlens``) no query attends to a masked key."""
     batch, seq = q.shape[:2]
     if key_mask is not None:
-        kept = _KeptKeys() if _no_host_reads(q) else _kept_keys(key_mask)
-        if kept.prefix is not None:
-            return _prefix_attention(q, k, v, kept.prefix, causal, softmax_scale, backend)
-        if kept.index is not None and not causal:
-            k, v = (_compacted(t, kept.index) for t in (k, v))
-            return attention(q, k, v, causal=False, softmax_scale=softmax_scale,
-                             backend=backend)
+        kept = None if _no_host_reads(q) else _kept_keys(key_mask)
+        if kept is not None and (not causal or kept.prefixes_only):
+            return _attention_on_kept_keys(q, k, v, kept, causal, softmax_scale, backend)
         if q.device.type == "cuda" and (causal or q.shape[2] != k.shape[2]):
             return _flex_attention(q, k, v, softmax_scale,
                                    _key_block_mask(key_mask, causal))
@@ -185,29 +183,74 @@ def _no_host_reads(q: Tensor) -> bool:
 
 
 @dataclass(frozen=True)
-class _KeptKeys:
-    """What a key mask ``[B, S]`` keeps, where the unmasked kernels can serve: ``prefix`` ``n``
-    where every row keeps exactly its first ``n >= 1`` keys (padding at the end), else
-    ``index`` (int64 ``[B, n]``, on the mask's device) where every row keeps ``n >= 1`` keys;
-    neither otherwise."""
+class _RowGroup:
+    """Rows of a key mask ``[B, S]`` that keep as many keys, ``n >= 1``: ``rows`` (int64
+    ``[G]`` on the mask's device; None: every row), and either ``prefix`` ``n`` where each
+    keeps exactly its first ``n`` keys (padding at the end) or ``index`` (int64 ``[G, n]``) the
+    keys each keeps."""
 
+    rows: Tensor | None
     prefix: int | None = None
     index: Tensor | None = None
 
 
-def _kept_keys(key_mask: Tensor) -> _KeptKeys:
-    """``key_mask``'s ``_KeptKeys``, read to the host once per mask tensor (every layer of a
-    forward shares it)."""
+@dataclass(frozen=True)
+class _KeptKeys:
+    """What a key mask ``[B, S]`` whose every row keeps a key keeps: its rows grouped by how
+    many keys they keep, and ``order`` (int64 ``[B]``, None for one group) placing row ``b``
+    in the groups' outputs concatenated."""
+
+    groups: tuple[_RowGroup, ...]
+    order: Tensor | None
+
+    @property
+    def prefixes_only(self) -> bool:
+        """Whether every row keeps its first keys (the unmasked causal kernels serve)."""
+        return all(group.prefix is not None for group in self.groups)
+
+
+def _kept_keys(key_mask: Tensor) -> _KeptKeys | None:
+    """``key_mask``'s ``_KeptKeys`` (None where a row keeps no key), read to the host once per
+    mask tensor (every layer of a forward shares it)."""
     def build():
         host = key_mask.cpu()
         counts = host.sum(dim=1)
-        n = int(counts[0])
-        if n == 0 or not bool((counts == n).all()):
-            return _KeptKeys()
-        if bool(host[:, :n].all()):
-            return _KeptKeys(prefix=n)
-        return _KeptKeys(index=host.nonzero()[:, 1].view(-1, n).to(key_mask.device))
+        if not bool((counts > 0).all()):
+            return None
+        device = key_mask.device
+        groups, members = [], []
+        for n in counts.unique().tolist():
+            rows = (counts == n).nonzero()[:, 0]
+            kept = host[rows]
+            members.append(rows)
+            rows = None if len(rows) == len(host) else rows.to(device)
+            if bool(kept[:, :n].all()):
+                groups.append(_RowGroup(rows, prefix=n))
+            else:
+                groups.append(_RowGroup(rows, index=kept.nonzero()[:, 1].view(-1, n).to(device)))
+        order = None if len(groups) == 1 else torch.cat(members).argsort().to(device)
+        return _KeptKeys(tuple(groups), order)
     return _KEPT_KEYS.get((key_mask,), (), build)
+
+
+def _attention_on_kept_keys(q: Tensor, k: Tensor, v: Tensor, kept: _KeptKeys, causal: bool,
+                            softmax_scale: float | None, backend: str) -> Tensor:
+    """Each group of rows attending to its kept keys alone, with no mask (``_prefix_attention``,
+    or K and V compacted to them: bidirectional only); the rows then back in their order."""
+    outputs = []
+    for group in kept.groups:
+        rows = [t if group.rows is None else t.index_select(0, group.rows) for t in (q, k, v)]
+        if group.prefix is not None:
+            outputs.append(_prefix_attention(*rows, group.prefix, causal, softmax_scale,
+                                             backend))
+        else:
+            q_rows, k_rows, v_rows = rows
+            outputs.append(attention(q_rows, _compacted(k_rows, group.index),
+                                     _compacted(v_rows, group.index), causal=False,
+                                     softmax_scale=softmax_scale, backend=backend))
+    if kept.order is None:
+        return outputs[0]
+    return torch.cat(outputs).index_select(0, kept.order)
 
 
 def _prefix_attention(q: Tensor, k: Tensor, v: Tensor, n: int, causal: bool,

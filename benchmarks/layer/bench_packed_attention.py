@@ -8,17 +8,19 @@ One rank's head band after the exchange: ``q [1, S, 8, 128]``, ``k, v [1, S, 2, 
 (GQA 32/8 at W = 4), causal, the ``S`` tokens split into ``N`` documents; or ``padded N``
 rows, whose last ``N`` keys are masked (a row padded to a multiple of the world size, a text
 encoder's padding), causal GQA as above or bidirectional MHA (``k, v [1, S, 8, 128]``, the
-diffusion drop-ins' joint attention).  Arms:
+diffusion drop-ins' joint attention); or ``ragged N``, two such rows (``B = 2``) padded by
+``N`` and ``N / 2`` keys (a batch of texts of different lengths).  Arms:
 
 * ``cake_sp``: ``cake_sp.attention.attention(..., backend="sdpa", cu_seqlens= or
   key_mask=...)``, what ``UlyssesAttention`` runs without flash-attn: compiled
   ``flex_attention`` with the documents' (or the keys') block mask (built by the first call,
-  then cached, as in a model's layers); SDPA with a ``[1, 1, 1, S]`` mask for a key mask
-  without causality or GQA;
-* ``dense_mask``: K/V repeated to every Q head, then SDPA with the ``[S, S]`` boolean
+  then cached, as in a model's layers); SDPA with a ``[B, 1, 1, S]`` mask for a key mask
+  without causality or GQA; each row's kept keys alone, with no mask, where rows are padded
+  at their end;
+* ``dense_mask``: K/V repeated to every Q head, then SDPA with the ``[B, 1, S, S]`` boolean
   mask: what transformers' SDPA attention runs on packed sequences or padded keys;
-* ``per_sequence``: one SDPA call per document (cake_sp's CPU path), or over the ``S - N``
-  real tokens alone for a padded row: what the mask would cost at best;
+* ``per_sequence``: one SDPA call per document (cake_sp's CPU path), or over each padded
+  row's real tokens alone: what the mask would cost at best;
 * ``unpacked``: one SDPA call over the whole row, no mask (not the same math: the cost the
   call would have without a mask, for scale).
 
@@ -44,9 +46,10 @@ ROWS = {
     # (causal GQA, or bidirectional MHA).
     "all": [(s, kind, n, True) for s in (8192, 32768) for kind, n in
             (("equal", 1), ("equal", 8), ("random", 64), ("equal", 512))],
-    "keys": [(s, "padded", s // 16, causal) for s in (8192, 32768) for causal in (True, False)],
+    "keys": [(s, kind, s // 16, causal) for s in (8192, 32768) for kind in ("padded", "ragged")
+             for causal in (True, False)],
     "smoke": [(2048, "equal", 4, True), (2048, "padded", 100, True),
-              (2048, "padded", 100, False)],
+              (2048, "ragged", 100, False)],
 }
 
 
@@ -70,19 +73,21 @@ def _time_ms(fn, rounds: int) -> list[float]:
 
 
 def _masks(seq: int, kind: str, n: int, causal: bool, g: torch.Generator):
-    """``(cu_seqlens, key_mask, allowed, spans)`` of a row: the layer's argument (the other
-    None; ``key_mask [1, S]``), the dense ``[S, S]`` bool mask it means (both on the CPU),
-    and the token spans the ``per_sequence`` arm attends alone."""
+    """``(cu_seqlens, key_mask, allowed, spans)`` of ``B`` rows: the layer's argument (the
+    other None; ``key_mask [B, S]``), the dense ``[B, S, S]`` bool mask it means (both on the
+    CPU), and the ``(row, start, end)`` token spans the ``per_sequence`` arm attends alone."""
     causal_mask = torch.ones(seq, seq, dtype=torch.bool).tril()
-    if kind == "padded":
-        key_mask = torch.arange(seq) < seq - n
-        allowed = key_mask[None, :] & causal_mask if causal else key_mask[None, :].expand(seq, -1)
-        return None, key_mask[None], allowed, [(0, seq - n)]
+    if kind in ("padded", "ragged"):
+        real = [seq - n] if kind == "padded" else [seq - n, seq - n // 2]
+        key_mask = torch.stack([torch.arange(seq) < r for r in real])
+        allowed = key_mask[:, None, :] & causal_mask if causal \
+            else key_mask[:, None, :].expand(-1, seq, -1)
+        return None, key_mask, allowed, [(b, 0, r) for b, r in enumerate(real)]
     lengths = _lengths(seq, kind, n, g)
     cu_seqlens = tuple(torch.tensor([0, *lengths]).cumsum(0).tolist())
     document = torch.repeat_interleave(torch.arange(n), torch.tensor(lengths))
     allowed = (document[:, None] == document[None, :]) & causal_mask
-    return cu_seqlens, None, allowed, list(zip(cu_seqlens, cu_seqlens[1:]))
+    return cu_seqlens, None, allowed[None], [(0, a, b) for a, b in zip(cu_seqlens, cu_seqlens[1:])]
 
 
 def bench_row(seq: int, kind: str, n: int, causal: bool, rounds: int) -> dict:
@@ -90,11 +95,25 @@ def bench_row(seq: int, kind: str, n: int, causal: bool, rounds: int) -> dict:
     kv_heads = HKV if causal else HQ
     cu_seqlens, key_mask, allowed, spans = _masks(seq, kind, n, causal, g)
     key_mask, allowed = (None if key_mask is None else key_mask.cuda()), allowed.cuda()
-    q, k, v = (torch.randn(1, seq, h, HEAD_DIM, generator=g).cuda().bfloat16().requires_grad_()
-               for h in (HQ, kv_heads, kv_heads))
-    do = torch.randn(1, seq, HQ, HEAD_DIM, generator=g).cuda().bfloat16()
+    batch = allowed.shape[0]
+    q, k, v = (torch.randn(batch, seq, h, HEAD_DIM, generator=g).cuda().bfloat16()
+               .requires_grad_() for h in (HQ, kv_heads, kv_heads))
+    do = torch.randn(batch, seq, HQ, HEAD_DIM, generator=g).cuda().bfloat16()
 
-    def run(arm: str) -> torch.Tensor:
+    whole = [(b, 0, seq) for b in range(batch)]
+
+    def run(arm: str) -> list[torch.Tensor]:
+        """The arm's output, one ``[1, e - a, Hq, D]`` piece per span ``(b, a, e)`` of
+        ``pieces(arm)``."""
+        if arm == "per_sequence":
+            return [attention(*(t[b:b + 1, a:e] for t in (q, k, v)), causal=causal,
+                              softmax_scale=None, backend="sdpa") for b, a, e in spans]
+        return list(run_whole(arm).split(1))
+
+    def pieces(arm: str) -> list[tuple[int, int, int]]:
+        return spans if arm == "per_sequence" else whole
+
+    def run_whole(arm: str) -> torch.Tensor:
         if arm == "cake_sp":
             return attention(q, k, v, causal=causal, softmax_scale=None, backend="sdpa",
                              cu_seqlens=cu_seqlens, key_mask=key_mask)
@@ -102,21 +121,18 @@ def bench_row(seq: int, kind: str, n: int, causal: bool, rounds: int) -> dict:
             k_rep, v_rep = (t.repeat_interleave(HQ // kv_heads, dim=2).transpose(1, 2)
                             for t in (k, v))
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k_rep, v_rep,
-                                               attn_mask=allowed)
+                                               attn_mask=allowed[:, None])
             return o.transpose(1, 2)
-        if arm == "per_sequence":
-            return torch.cat([attention(q[:, a:b], k[:, a:b], v[:, a:b], causal=causal,
-                                        softmax_scale=None, backend="sdpa")
-                              for a, b in spans], dim=1)
         return attention(q, k, v, causal=causal, softmax_scale=None, backend="sdpa")
 
     label = f"{kind} {n}" + ("" if causal else ", bidirectional MHA")
     row = {"seq": seq, "documents": label}
     with torch.no_grad():
-        want = run("dense_mask").float()
-        for arm in ("cake_sp", "per_sequence"):
-            got = run(arm).float()  # per_sequence: a padded row's real tokens only
-            error = float((got - want[:, :got.shape[1]]).norm() / want.norm())
+        want = run_whole("dense_mask").float()
+        for arm in ("cake_sp", "per_sequence"):  # per_sequence: a padded row's real tokens
+            got = torch.cat([o.float().flatten() for o in run(arm)])
+            ref = torch.cat([want[b, a:e].flatten() for b, a, e in pieces(arm)])
+            error = float((got - ref).norm() / ref.norm())
             if error > 2e-2:  # two bf16 kernels of the same math differ by ~1e-3
                 raise AssertionError(f"S={seq} {label}: {arm} and dense_mask differ by "
                                      f"{error:.3g}")
@@ -128,8 +144,7 @@ def bench_row(seq: int, kind: str, n: int, causal: bool, rounds: int) -> dict:
                 with torch.no_grad():
                     run(arm)
             else:
-                o = run(arm)
-                torch.autograd.backward(o, do[:, :o.shape[1]])
+                torch.autograd.backward(run(arm), [do[b:b + 1, a:e] for b, a, e in pieces(arm)])
         for arm in arms:  # warm-up (compiles flex's forward and backward)
             for _ in range(3):
                 call(arm)

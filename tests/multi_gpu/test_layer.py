@@ -195,11 +195,12 @@ def case_key_mask_bidirectional_kept_keys(ctx):
 
 
 def case_key_mask_causal_padded_rows(ctx):
-    """Causal GQA, both rows padded at their end by as many tokens (a batch padded to a
-    multiple of the world size): eagerly, the attention takes the first keys alone."""
+    """Causal GQA, the rows padded at their end by different numbers of tokens (a batch of
+    texts of different lengths): eagerly, each row's attention takes its first keys alone."""
     seq_local = 10
     mask = torch.ones(2, seq_local * ctx.world_size, dtype=torch.bool)
-    mask[:, -7:] = False
+    mask[0, -7:] = False
+    mask[1, -3:] = False
     return _check_layer(ctx, "gqa_split", seq_local=seq_local, seed=13, key_mask=mask)
 
 

@@ -267,15 +267,57 @@ def test_key_masks_keeping_as_many_keys_attend_them_alone(host_reads, causal, pr
 
 
 def test_kept_keys_are_read_once_per_mask_tensor():
-    """One host read per mask tensor: the kept prefix, or the kept keys' indices; neither
-    where rows keep different numbers of keys, or none."""
+    """One host read per mask tensor: the rows grouped by how many keys they keep, each group's
+    kept prefix or kept keys' indices, and the order that puts the rows back; none where a row
+    keeps no key."""
     import cake_sp.attention as core
 
     mask = torch.tensor([[True, False, True, True], [False, True, True, True]])
     kept = core._kept_keys(mask)
-    assert kept.prefix is None and kept.index.tolist() == [[0, 2, 3], [1, 2, 3]]
+    (group,) = kept.groups
+    assert kept.order is None and group.rows is None and group.prefix is None
+    assert group.index.tolist() == [[0, 2, 3], [1, 2, 3]]
     assert core._kept_keys(mask) is kept
-    assert core._kept_keys(torch.tensor([[True, True, False], [True, True, False]])) == \
-        core._KeptKeys(prefix=2)
-    for uneven in ([[True, True, False], [True, False, False]], [[False, False], [False, False]]):
-        assert core._kept_keys(torch.tensor(uneven)) == core._KeptKeys()
+    kept = core._kept_keys(torch.tensor([[True, True, False], [True, True, False]]))
+    assert kept.groups == (core._RowGroup(None, prefix=2),) and kept.prefixes_only
+    kept = core._kept_keys(torch.tensor([[True, False, False], [True, True, True],
+                                         [False, True, False], [True, True, False]]))
+    assert [(g.rows.tolist(), g.prefix) for g in kept.groups] == \
+        [([0, 2], None), ([3], 2), ([1], 3)]
+    assert kept.groups[0].index.tolist() == [[0], [1]] and not kept.prefixes_only
+    assert kept.order.tolist() == [0, 3, 1, 2]
+    assert core._kept_keys(torch.tensor([[True, True], [False, False]])) is None
+
+
+@pytest.mark.parametrize("causal,prefix,path", [
+    (False, False, ["_compacted"] * 6), (False, True, ["_prefix_attention"] * 3),
+    (True, True, ["_prefix_attention"] * 3), (True, False, [])])
+def test_key_masks_keeping_different_numbers_of_keys(causal, prefix, path, monkeypatch):
+    """Rows keeping different numbers of keys (rows 1 and 3 as many): each group of rows on its
+    kept keys alone, the rows back in their order; equal to the dense mask's output and
+    gradients.  A causal call with masked keys before kept ones: the masked path."""
+    import cake_sp.attention as core
+
+    taken = []
+    for name in ("_compacted", "_prefix_attention"):
+        real = getattr(core, name)
+        monkeypatch.setattr(core, name, lambda *a, real=real, name=name:
+                            taken.append(name) or real(*a))
+    g = torch.Generator().manual_seed(6)
+    batch, seq = 4, 13
+    q, k, v = (t.requires_grad_(True) for t in _gqa_inputs(g, batch, seq))
+    mask = torch.cat([_equal_count_key_mask(g, 1, seq, kept=n, prefix=prefix)
+                      for n in (11, 5, 8, 5)])
+    got = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa", key_mask=mask)
+    assert taken == path
+    allowed = mask.view(batch, 1, 1, seq).expand(batch, 1, seq, seq)
+    if causal:
+        allowed = allowed & torch.ones(seq, seq, dtype=torch.bool).tril()
+    dy = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(got, (q, k, v), dy)
+    want = _dense_sdpa(q, k, v, allowed)
+    want_grads = torch.autograd.grad(want, (q, k, v), dy)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for mine, theirs in zip(grads, want_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+    assert (grads[1][~mask] == 0).all(), "a masked key got a gradient"

@@ -36,14 +36,22 @@ def test_markdown_has_one_line_per_row_and_every_column():
 def test_a_padded_row_masks_its_last_keys(causal):
     cu_seqlens, key_mask, allowed, spans = bench._masks(8, "padded", 3, causal,
                                                         torch.Generator().manual_seed(0))
-    assert cu_seqlens is None and spans == [(0, 5)]
+    assert cu_seqlens is None and spans == [(0, 0, 5)]
     assert key_mask.tolist() == [[True] * 5 + [False] * 3]
-    assert not allowed[:, 5:].any() and allowed[7, :5].all()
-    assert bool(allowed[0, 1]) is not causal  # a later key: seen only without causality
+    assert not allowed[0, :, 5:].any() and allowed[0, 7, :5].all()
+    assert bool(allowed[0, 0, 1]) is not causal  # a later key: seen only without causality
+
+
+def test_ragged_rows_mask_different_numbers_of_last_keys():
+    cu_seqlens, key_mask, allowed, spans = bench._masks(8, "ragged", 4, False,
+                                                        torch.Generator().manual_seed(0))
+    assert cu_seqlens is None and spans == [(0, 0, 4), (1, 0, 6)]
+    assert key_mask.tolist() == [[True] * 4 + [False] * 4, [True] * 6 + [False] * 2]
+    assert allowed.shape == (2, 8, 8) and allowed[1, 0, 5] and not allowed[0, 0, 5]
 
 
 def test_a_documents_row_allows_each_document_causally():
     cu_seqlens, key_mask, allowed, spans = bench._masks(8, "equal", 2, True,
                                                         torch.Generator().manual_seed(0))
-    assert key_mask is None and cu_seqlens == (0, 4, 8) and spans == [(0, 4), (4, 8)]
-    assert allowed[5, 4] and not allowed[5, 3] and not allowed[4, 5]
+    assert key_mask is None and cu_seqlens == (0, 4, 8) and spans == [(0, 0, 4), (0, 4, 8)]
+    assert allowed[0, 5, 4] and not allowed[0, 5, 3] and not allowed[0, 4, 5]
