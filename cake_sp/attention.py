@@ -184,12 +184,12 @@ def _no_host_reads(q: Tensor) -> bool:
 
 @dataclass(frozen=True)
 class _RowGroup:
-    """Rows of a key mask ``[B, S]`` that keep as many keys, ``n >= 1``: ``rows`` (int64
-    ``[G]`` on the mask's device; None: every row), and either ``prefix`` ``n`` where each
-    keeps exactly its first ``n`` keys (padding at the end) or ``index`` (int64 ``[G, n]``) the
-    keys each keeps."""
+    """Rows of a key mask ``[B, S]`` that keep as many keys, ``n >= 1``: ``rows``, a slice
+    where they are consecutive (a view, no copy) or else int64 ``[G]`` on the mask's device,
+    and either ``prefix`` ``n`` where each keeps exactly its first ``n`` keys (padding at the
+    end) or ``index`` (int64 ``[G, n]``) the keys each keeps."""
 
-    rows: Tensor | None
+    rows: slice | Tensor
     prefix: int | None = None
     index: Tensor | None = None
 
@@ -197,8 +197,8 @@ class _RowGroup:
 @dataclass(frozen=True)
 class _KeptKeys:
     """What a key mask ``[B, S]`` whose every row keeps a key keeps: its rows grouped by how
-    many keys they keep, and ``order`` (int64 ``[B]``, None for one group) placing row ``b``
-    in the groups' outputs concatenated."""
+    many keys they keep (in the order of their first rows), and ``order`` (int64 ``[B]``; None
+    where the groups' outputs concatenated are the rows in order) placing row ``b`` there."""
 
     groups: tuple[_RowGroup, ...]
     order: Tensor | None
@@ -219,16 +219,19 @@ def _kept_keys(key_mask: Tensor) -> _KeptKeys | None:
             return None
         device = key_mask.device
         groups, members = [], []
-        for n in counts.unique().tolist():
+        for n in dict.fromkeys(counts.tolist()):  # in the order of their first rows
             rows = (counts == n).nonzero()[:, 0]
             kept = host[rows]
             members.append(rows)
-            rows = None if len(rows) == len(host) else rows.to(device)
+            first, last = int(rows[0]), int(rows[-1])
+            rows = slice(first, last + 1) if last - first + 1 == len(rows) else rows.to(device)
             if bool(kept[:, :n].all()):
                 groups.append(_RowGroup(rows, prefix=n))
             else:
                 groups.append(_RowGroup(rows, index=kept.nonzero()[:, 1].view(-1, n).to(device)))
-        order = None if len(groups) == 1 else torch.cat(members).argsort().to(device)
+        members = torch.cat(members)
+        order = None if bool((members == torch.arange(len(host))).all()) \
+            else members.argsort().to(device)
         return _KeptKeys(tuple(groups), order)
     return _KEPT_KEYS.get((key_mask,), (), build)
 
@@ -239,7 +242,7 @@ def _attention_on_kept_keys(q: Tensor, k: Tensor, v: Tensor, kept: _KeptKeys, ca
     or K and V compacted to them: bidirectional only); the rows then back in their order."""
     outputs = []
     for group in kept.groups:
-        rows = [t if group.rows is None else t.index_select(0, group.rows) for t in (q, k, v)]
+        rows = [t[group.rows] for t in (q, k, v)]
         if group.prefix is not None:
             outputs.append(_prefix_attention(*rows, group.prefix, causal, softmax_scale,
                                              backend))
@@ -248,9 +251,8 @@ def _attention_on_kept_keys(q: Tensor, k: Tensor, v: Tensor, kept: _KeptKeys, ca
             outputs.append(attention(q_rows, _compacted(k_rows, group.index),
                                      _compacted(v_rows, group.index), causal=False,
                                      softmax_scale=softmax_scale, backend=backend))
-    if kept.order is None:
-        return outputs[0]
-    return torch.cat(outputs).index_select(0, kept.order)
+    o = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return o if kept.order is None else o.index_select(0, kept.order)
 
 
 def _prefix_attention(q: Tensor, k: Tensor, v: Tensor, n: int, causal: bool,

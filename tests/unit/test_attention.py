@@ -275,17 +275,20 @@ def test_kept_keys_are_read_once_per_mask_tensor():
     mask = torch.tensor([[True, False, True, True], [False, True, True, True]])
     kept = core._kept_keys(mask)
     (group,) = kept.groups
-    assert kept.order is None and group.rows is None and group.prefix is None
+    assert kept.order is None and group.rows == slice(0, 2) and group.prefix is None
     assert group.index.tolist() == [[0, 2, 3], [1, 2, 3]]
     assert core._kept_keys(mask) is kept
     kept = core._kept_keys(torch.tensor([[True, True, False], [True, True, False]]))
-    assert kept.groups == (core._RowGroup(None, prefix=2),) and kept.prefixes_only
-    kept = core._kept_keys(torch.tensor([[True, False, False], [True, True, True],
-                                         [False, True, False], [True, True, False]]))
-    assert [(g.rows.tolist(), g.prefix) for g in kept.groups] == \
-        [([0, 2], None), ([3], 2), ([1], 3)]
-    assert kept.groups[0].index.tolist() == [[0], [1]] and not kept.prefixes_only
-    assert kept.order.tolist() == [0, 3, 1, 2]
+    assert kept.groups == (core._RowGroup(slice(0, 2), prefix=2),) and kept.prefixes_only
+    kept = core._kept_keys(torch.tensor([[True, True, True], [True, False, False],
+                                         [True, True, False], [False, True, False]]))
+    rows = [g.rows if isinstance(g.rows, slice) else g.rows.tolist() for g in kept.groups]
+    assert rows == [slice(0, 1), [1, 3], slice(2, 3)]
+    assert [g.prefix for g in kept.groups] == [3, None, 2] and not kept.prefixes_only
+    assert kept.groups[1].index.tolist() == [[0], [1]]
+    assert kept.order.tolist() == [0, 1, 3, 2]
+    kept = core._kept_keys(torch.tensor([[True, False], [True, True]]))
+    assert kept.order is None and [g.rows for g in kept.groups] == [slice(0, 1), slice(1, 2)]
     assert core._kept_keys(torch.tensor([[True, True], [False, False]])) is None
 
 
@@ -293,9 +296,9 @@ def test_kept_keys_are_read_once_per_mask_tensor():
     (False, False, ["_compacted"] * 6), (False, True, ["_prefix_attention"] * 3),
     (True, True, ["_prefix_attention"] * 3), (True, False, [])])
 def test_key_masks_keeping_different_numbers_of_keys(causal, prefix, path, monkeypatch):
-    """Rows keeping different numbers of keys (rows 1 and 3 as many): each group of rows on its
-    kept keys alone, the rows back in their order; equal to the dense mask's output and
-    gradients.  A causal call with masked keys before kept ones: the masked path."""
+    """Rows keeping different numbers of keys (rows 0 and 3, 1 and 4 as many): each group of
+    rows on its kept keys alone, the rows back in their order; equal to the dense mask's output
+    and gradients.  A causal call with masked keys before kept ones: the masked path."""
     import cake_sp.attention as core
 
     taken = []
@@ -304,10 +307,10 @@ def test_key_masks_keeping_different_numbers_of_keys(causal, prefix, path, monke
         monkeypatch.setattr(core, name, lambda *a, real=real, name=name:
                             taken.append(name) or real(*a))
     g = torch.Generator().manual_seed(6)
-    batch, seq = 4, 13
+    batch, seq = 5, 13
     q, k, v = (t.requires_grad_(True) for t in _gqa_inputs(g, batch, seq))
     mask = torch.cat([_equal_count_key_mask(g, 1, seq, kept=n, prefix=prefix)
-                      for n in (11, 5, 8, 5)])
+                      for n in (5, 11, 8, 5, 11)])
     got = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa", key_mask=mask)
     assert taken == path
     allowed = mask.view(batch, 1, 1, seq).expand(batch, 1, seq, seq)
