@@ -25,19 +25,19 @@ Key masks.  ``key_mask [B, S]`` (True: a key the row's queries may attend to; pa
 text encoder's tokens, for instance).  Where every row keeps a key, the masked keys are
 taken out and the rest attended with no mask, on the backend's fastest kernel; that is the
 mask's meaning, not an approximation (the mask is read to the host once per mask tensor:
-every layer of a forward given the same one shares the read).  The rows keeping as many keys
-form one call (one call for the whole batch where every row keeps as many; the rows back in
-their order after).  Rows that keep their first ``n`` keys (padding at the end) attend to
-``K[:, :n]``, causally or not (a causal call's padding queries over all ``n``); a
-bidirectional call keeping other keys compacts K and V to them.  Under ``torch.compile`` or
-CUDA-graph capture (no host read there), for causal calls with masked keys before kept ones,
-and where a row keeps no key, the mask
-goes to SDPA as a boolean mask ``[B, 1, 1, S]`` whatever the backend
-(flash-attn takes no mask; PyTorch picks its memory-efficient kernel), except where SDPA
-would fall back to its math kernel or need the ``S x S`` mask: GQA or causal calls on a GPU
-take ``flex_attention`` with a block mask of the keys (built once per mask tensor).  A query
-left with no key (every key masked, or every earlier one if causal) gets what the kernel
-gives there.
+every layer of a forward given the same one shares the read).  Rows keeping the same run of
+keys, or as many scattered keys, form one call (one call for the whole batch where the rows
+are alike; the rows back in their order after).  Rows that keep one run of keys ``[a, b)``
+(padding at the end, or at the start) attend to ``K[:, a:b]``, causally or not (a causal
+call's queries after the run over all of it, those before it, which have no key, zeros); a
+bidirectional call keeping scattered keys compacts K and V to them.  Under
+``torch.compile`` or CUDA-graph capture (no host read there), for causal calls keeping
+scattered keys, and where a row keeps no key, the mask goes to SDPA as a boolean mask
+``[B, 1, 1, S]`` whatever the backend (flash-attn takes no mask; PyTorch picks its
+memory-efficient kernel), except where SDPA would fall back to its math kernel or need the
+``S x S`` mask: GQA or causal calls on a GPU take ``flex_attention`` with a block mask of
+the keys (built once per mask tensor).  A query left with no key (every key masked, or every
+earlier one if causal) gets what the kernel gives there (zeros from SDPA and flex attention).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: f
     batch, seq = q.shape[:2]
     if key_mask is not None:
         kept = None if _no_host_reads(q) else _kept_keys(key_mask)
-        if kept is not None and (not causal or kept.prefixes_only):
+        if kept is not None and (not causal or kept.spans_only):
             return _attention_on_kept_keys(q, k, v, kept, causal, softmax_scale, backend)
         if q.device.type == "cuda" and (causal or q.shape[2] != k.shape[2]):
             return _flex_attention(q, k, v, softmax_scale,
@@ -184,51 +184,57 @@ def _no_host_reads(q: Tensor) -> bool:
 
 @dataclass(frozen=True)
 class _RowGroup:
-    """Rows of a key mask ``[B, S]`` that keep as many keys, ``n >= 1``: ``rows``, a slice
-    where they are consecutive (a view, no copy) or else int64 ``[G]`` on the mask's device,
-    and either ``prefix`` ``n`` where each keeps exactly its first ``n`` keys (padding at the
-    end) or ``index`` (int64 ``[G, n]``) the keys each keeps."""
+    """Rows of a key mask ``[B, S]`` that keep the same keys' run, or as many scattered keys:
+    ``rows``, a slice where they are consecutive (a view, no copy) or else int64 ``[G]`` on the
+    mask's device, and either ``span`` ``(start, stop)`` where each keeps exactly the keys
+    ``[start, stop)`` (padding before and after them) or ``index`` (int64 ``[G, n]``) the ``n``
+    keys each keeps."""
 
     rows: slice | Tensor
-    prefix: int | None = None
+    span: tuple[int, int] | None = None
     index: Tensor | None = None
 
 
 @dataclass(frozen=True)
 class _KeptKeys:
-    """What a key mask ``[B, S]`` whose every row keeps a key keeps: its rows grouped by how
-    many keys they keep (in the order of their first rows), and ``order`` (int64 ``[B]``; None
-    where the groups' outputs concatenated are the rows in order) placing row ``b`` there."""
+    """What a key mask ``[B, S]`` whose every row keeps a key keeps: its rows grouped (in the
+    order of their first rows), and ``order`` (int64 ``[B]``; None where the groups' outputs
+    concatenated are the rows in order) placing row ``b`` there."""
 
     groups: tuple[_RowGroup, ...]
     order: Tensor | None
 
     @property
-    def prefixes_only(self) -> bool:
-        """Whether every row keeps its first keys (the unmasked causal kernels serve)."""
-        return all(group.prefix is not None for group in self.groups)
+    def spans_only(self) -> bool:
+        """Whether every row keeps one run of keys (the unmasked causal kernels serve)."""
+        return all(group.span is not None for group in self.groups)
 
 
 def _kept_keys(key_mask: Tensor) -> _KeptKeys | None:
     """``key_mask``'s ``_KeptKeys`` (None where a row keeps no key), read to the host once per
-    mask tensor (every layer of a forward shares it)."""
+    mask tensor (every layer of a forward shares it): rows keeping one run of keys grouped by
+    the run, the others by how many they keep."""
     def build():
         host = key_mask.cpu()
         counts = host.sum(dim=1)
         if not bool((counts > 0).all()):
             return None
+        first = host.int().argmax(dim=1)  # each row's first kept key
+        spans = [(a, a + n) if bool(row[a:a + n].all()) else None
+                 for row, a, n in zip(host, first.tolist(), counts.tolist())]
+        keys = [span or n for span, n in zip(spans, counts.tolist())]
         device = key_mask.device
         groups, members = [], []
-        for n in dict.fromkeys(counts.tolist()):  # in the order of their first rows
-            rows = (counts == n).nonzero()[:, 0]
-            kept = host[rows]
+        for key in dict.fromkeys(keys):  # in the order of their first rows
+            rows = torch.tensor([b for b, other in enumerate(keys) if other == key])
             members.append(rows)
-            first, last = int(rows[0]), int(rows[-1])
-            rows = slice(first, last + 1) if last - first + 1 == len(rows) else rows.to(device)
-            if bool(kept[:, :n].all()):
-                groups.append(_RowGroup(rows, prefix=n))
+            a, b = int(rows[0]), int(rows[-1]) + 1
+            taken = slice(a, b) if b - a == len(rows) else rows.to(device)
+            if isinstance(key, tuple):
+                groups.append(_RowGroup(taken, span=key))
             else:
-                groups.append(_RowGroup(rows, index=kept.nonzero()[:, 1].view(-1, n).to(device)))
+                index = host[rows].nonzero()[:, 1].view(-1, key)
+                groups.append(_RowGroup(taken, index=index.to(device)))
         members = torch.cat(members)
         order = None if bool((members == torch.arange(len(host))).all()) \
             else members.argsort().to(device)
@@ -238,14 +244,13 @@ def _kept_keys(key_mask: Tensor) -> _KeptKeys | None:
 
 def _attention_on_kept_keys(q: Tensor, k: Tensor, v: Tensor, kept: _KeptKeys, causal: bool,
                             softmax_scale: float | None, backend: str) -> Tensor:
-    """Each group of rows attending to its kept keys alone, with no mask (``_prefix_attention``,
+    """Each group of rows attending to its kept keys alone, with no mask (``_span_attention``,
     or K and V compacted to them: bidirectional only); the rows then back in their order."""
     outputs = []
     for group in kept.groups:
         rows = [t[group.rows] for t in (q, k, v)]
-        if group.prefix is not None:
-            outputs.append(_prefix_attention(*rows, group.prefix, causal, softmax_scale,
-                                             backend))
+        if group.span is not None:
+            outputs.append(_span_attention(*rows, group.span, causal, softmax_scale, backend))
         else:
             q_rows, k_rows, v_rows = rows
             outputs.append(attention(q_rows, _compacted(k_rows, group.index),
@@ -255,19 +260,22 @@ def _attention_on_kept_keys(q: Tensor, k: Tensor, v: Tensor, kept: _KeptKeys, ca
     return o if kept.order is None else o.index_select(0, kept.order)
 
 
-def _prefix_attention(q: Tensor, k: Tensor, v: Tensor, n: int, causal: bool,
-                      softmax_scale: float | None, backend: str) -> Tensor:
-    """Attention over every row's first ``n`` keys alone.  Causal: the first ``n`` queries
-    causally, and the queries after them (padding) over all ``n``, which are all the kept
-    keys before them."""
-    k, v = k[:, :n], v[:, :n]
+def _span_attention(q: Tensor, k: Tensor, v: Tensor, span: tuple[int, int], causal: bool,
+                    softmax_scale: float | None, backend: str) -> Tensor:
+    """Attention over the keys ``[start, stop)`` of every row alone.  Causal: the queries in
+    the span causally, the queries after it (padding) over the whole span, which is every kept
+    key before them, and the queries before it (padding, no key to attend) zeros, as SDPA and
+    flex attention give a query whose every key is masked."""
+    start, stop = span
+    k, v = k[:, start:stop], v[:, start:stop]
     options = dict(softmax_scale=softmax_scale, backend=backend)
     if not causal:
         return attention(q, k, v, causal=False, **options)
-    head = attention(q[:, :n], k, v, causal=True, **options)
-    if n == q.shape[1]:
-        return head
-    return torch.cat((head, attention(q[:, n:], k, v, causal=False, **options)), dim=1)
+    parts = [q.new_zeros(q.shape[0], start, *q.shape[2:])] if start else []
+    parts.append(attention(q[:, start:stop], k, v, causal=True, **options))
+    if stop < q.shape[1]:
+        parts.append(attention(q[:, stop:], k, v, causal=False, **options))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def _compacted(t: Tensor, kept: Tensor) -> Tensor:

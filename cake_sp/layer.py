@@ -221,11 +221,12 @@ class UlyssesAttention(nn.Module):
         key_mask : optional bool ``[B, S]`` over the whole sequence (``S = W * S_local``, in
             that order), the same on every rank, on ``x``'s device: False (or 0) for a key
             no query may attend to (padding).  Not with ``cu_seqlens`` (padding can be a
-            sequence of its own there).  Where every row keeps a key (rows padded at their
-            end, causal or not; any keys if bidirectional), attention runs on the kept keys
-            alone, one call per group of rows keeping as many (one host read per mask
-            tensor); otherwise on SDPA with the mask, or on a GPU for causal or GQA calls on
-            flex attention (``cake_sp.attention``).
+            sequence of its own there).  Where every row keeps a key (one run of keys each,
+            padding at the end or the start, causal or not; any keys if bidirectional),
+            attention runs on the kept keys alone, one call per group of alike rows (one
+            host read per mask tensor); otherwise on SDPA with the mask, or on a GPU for
+            causal or GQA calls on flex attention (``cake_sp.attention``).  A query with no
+            key to attend gives zeros.
 
         Every rank of the group calls, in the same order.  Without grad the result of
         the no-o_proj layer is a view of a receive slot (valid ``num_slots - 1`` further

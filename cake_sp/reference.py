@@ -255,4 +255,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
     if key_mask is not None:
         hidden |= ~key_mask.bool().view(batch, 1, 1, s).to(scores.device)
     scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
+    # A query with no key to attend (left padding under a causal mask): zeros, as SDPA and
+    # flex attention give; its softmax row is NaN, and so is its gradient until masked_fill's.
+    probs = scores.softmax(dim=-1).masked_fill(hidden.all(dim=-1, keepdim=True), 0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)

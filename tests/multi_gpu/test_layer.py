@@ -195,12 +195,13 @@ def case_key_mask_bidirectional_kept_keys(ctx):
 
 
 def case_key_mask_causal_padded_rows(ctx):
-    """Causal GQA, the rows padded at their end by different numbers of tokens (a batch of
-    texts of different lengths): eagerly, each row's attention takes its first keys alone."""
+    """Causal GQA, one row padded at its end, the other at its start (a batch of texts of
+    different lengths, left-padded): eagerly, each row's attention takes its run of keys
+    alone, and the queries before the run (no key to attend) give zeros."""
     seq_local = 10
     mask = torch.ones(2, seq_local * ctx.world_size, dtype=torch.bool)
     mask[0, -7:] = False
-    mask[1, -3:] = False
+    mask[1, :3] = False
     return _check_layer(ctx, "gqa_split", seq_local=seq_local, seed=13, key_mask=mask)
 
 

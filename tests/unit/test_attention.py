@@ -215,112 +215,117 @@ def test_the_key_block_mask_is_built_once_per_mask_tensor(monkeypatch):
     assert len(built) == 4
 
 
-def _equal_count_key_mask(g: torch.Generator, batch: int, seq: int, kept: int,
-                           prefix: bool) -> torch.Tensor:
-    """Every row keeps ``kept`` keys: its first ones (``prefix``, padding at the end), or at
-    random places (one of them the first)."""
-    mask = torch.zeros(batch, seq, dtype=torch.bool)
-    for row in mask:
-        row[0] = True
-        row[1 + (torch.arange(kept - 1) if prefix
-                 else torch.randperm(seq - 1, generator=g)[:kept - 1])] = True
+def _key_mask_keeping(g: torch.Generator, seq: int, kept: int, layout: str) -> torch.Tensor:
+    """One row ``[1, seq]`` keeping ``kept`` keys: its first ones (``"first"``, padding at the
+    end), its last ones (``"last"``, left padding), a run starting at key 2 (``"run"``), or at
+    random places, one of them the first (``"scattered"``)."""
+    mask = torch.zeros(1, seq, dtype=torch.bool)
+    if layout == "scattered":
+        mask[0, 0] = True
+        mask[0, 1 + torch.randperm(seq - 1, generator=g)[:kept - 1]] = True
+    else:
+        start = {"first": 0, "last": seq - kept, "run": 2}[layout]
+        mask[0, start:start + kept] = True
     return mask
 
 
-@pytest.mark.parametrize("host_reads,causal,prefix,path", [
-    (True, False, False, "compacted"), (True, False, True, "prefix"),
-    (True, True, True, "prefix"), (True, True, False, "masked"),
-    (False, False, False, "masked"), (False, True, True, "masked")])
-def test_key_masks_keeping_as_many_keys_attend_them_alone(host_reads, causal, prefix, path,
+def _check_against_a_dense_mask(q, k, v, mask: torch.Tensor, causal: bool,
+                                 g: torch.Generator) -> None:
+    """``attention`` with ``key_mask`` against float64 SDPA with the dense mask: the output and
+    every gradient (a query with no key: zeros, as SDPA gives), no gradient at a masked key."""
+    batch, seq = mask.shape
+    got = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa", key_mask=mask)
+    allowed = mask.view(batch, 1, 1, seq).expand(batch, 1, seq, seq)
+    if causal:
+        allowed = allowed & torch.ones(seq, seq, dtype=torch.bool).tril()
+    dy = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(got, (q, k, v), dy)
+    want = _dense_sdpa(q, k, v, allowed)
+    want_grads = torch.autograd.grad(want, (q, k, v), dy)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for mine, theirs in zip(grads, want_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+    assert (grads[1][~mask] == 0).all(), "a masked key got a gradient"
+
+
+def _record_paths(monkeypatch) -> list[str]:
+    """The names of ``_compacted`` and ``_span_attention`` as calls reach them."""
+    import cake_sp.attention as core
+
+    taken = []
+    for name in ("_compacted", "_span_attention"):
+        real = getattr(core, name)
+        monkeypatch.setattr(core, name, lambda *a, real=real, name=name:
+                            taken.append(name) or real(*a))
+    return taken
+
+
+@pytest.mark.parametrize("host_reads,causal,layout,path", [
+    (True, False, "scattered", ["_compacted"] * 2), (True, False, "first", ["_span_attention"]),
+    (True, True, "first", ["_span_attention"]), (True, True, "last", ["_span_attention"]),
+    (True, True, "run", ["_span_attention"]), (True, True, "scattered", []),
+    (False, False, "scattered", []), (False, True, "first", [])])
+def test_key_masks_keeping_as_many_keys_attend_them_alone(host_reads, causal, layout, path,
                                                           monkeypatch):
-    """Rows that keep as many keys each: their first keys attended alone (a causal call's
-    padding queries over all of them), or K and V compacted to them (bidirectional), with no
-    mask; equal to the dense mask's output and gradients.  Without host reads (compiling,
-    capturing a graph), and causal calls keeping other keys, the masked path."""
+    """Rows that keep as many keys each: one run of keys attended alone (a causal call's
+    padding queries after it over all of it, those before it zeros), or K and V compacted to
+    them (bidirectional), with no mask; equal to the dense mask's output and gradients.
+    Without host reads (compiling, capturing a graph), and causal calls keeping scattered
+    keys, the masked path."""
     import cake_sp.attention as core
 
     monkeypatch.setattr(core, "_no_host_reads", lambda q: not host_reads)
-    taken = []
-    for name in ("_compacted", "_prefix_attention"):
-        real = getattr(core, name)
-        monkeypatch.setattr(core, name, lambda *a, real=real, name=name:
-                            taken.append(name) or real(*a))
+    taken = _record_paths(monkeypatch)
     g = torch.Generator().manual_seed(5)
     batch, seq = 2, 13
     q, k, v = (t.requires_grad_(True) for t in _gqa_inputs(g, batch, seq))
-    mask = _equal_count_key_mask(g, batch, seq, kept=8, prefix=prefix)
-    got = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa", key_mask=mask)
-    want_path = {"compacted": ["_compacted"] * 2, "prefix": ["_prefix_attention"],
-                 "masked": []}[path]
-    assert taken == want_path
-    allowed = mask.view(batch, 1, 1, seq).expand(batch, 1, seq, seq)
-    if causal:
-        allowed = allowed & torch.ones(seq, seq, dtype=torch.bool).tril()
-    dy = torch.randn(got.shape, generator=g, dtype=torch.float64)
-    grads = torch.autograd.grad(got, (q, k, v), dy)
-    want = _dense_sdpa(q, k, v, allowed)
-    want_grads = torch.autograd.grad(want, (q, k, v), dy)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    for mine, theirs in zip(grads, want_grads):
-        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
-    assert (grads[1][~mask] == 0).all(), "a masked key got a gradient"
+    mask = torch.cat([_key_mask_keeping(g, seq, 8, layout) for _ in range(batch)])
+    if layout == "scattered":
+        assert not bool(mask[0].equal(mask[1]))
+    _check_against_a_dense_mask(q, k, v, mask, causal, g)
+    assert taken == path
 
 
 def test_kept_keys_are_read_once_per_mask_tensor():
-    """One host read per mask tensor: the rows grouped by how many keys they keep, each group's
-    kept prefix or kept keys' indices, and the order that puts the rows back; none where a row
-    keeps no key."""
+    """One host read per mask tensor: the rows grouped by the run of keys they keep, or by how
+    many scattered keys they keep, each group's run or indices, and the order that puts the
+    rows back; none where a row keeps no key."""
     import cake_sp.attention as core
 
-    mask = torch.tensor([[True, False, True, True], [False, True, True, True]])
+    mask = torch.tensor([[True, False, True, True], [False, True, False, True]])
     kept = core._kept_keys(mask)
-    (group,) = kept.groups
-    assert kept.order is None and group.rows == slice(0, 2) and group.prefix is None
-    assert group.index.tolist() == [[0, 2, 3], [1, 2, 3]]
+    assert kept.order is None and [g.rows for g in kept.groups] == [slice(0, 1), slice(1, 2)]
+    assert kept.groups[0].index.tolist() == [[0, 2, 3]]
+    assert kept.groups[1].index.tolist() == [[1, 3]] and not kept.spans_only
     assert core._kept_keys(mask) is kept
     kept = core._kept_keys(torch.tensor([[True, True, False], [True, True, False]]))
-    assert kept.groups == (core._RowGroup(slice(0, 2), prefix=2),) and kept.prefixes_only
-    kept = core._kept_keys(torch.tensor([[True, True, True], [True, False, False],
-                                         [True, True, False], [False, True, False]]))
+    assert kept.groups == (core._RowGroup(slice(0, 2), span=(0, 2)),) and kept.spans_only
+    kept = core._kept_keys(torch.tensor([[False, True, True], [True, False, True],
+                                         [True, True, False], [True, False, True]]))
     rows = [g.rows if isinstance(g.rows, slice) else g.rows.tolist() for g in kept.groups]
     assert rows == [slice(0, 1), [1, 3], slice(2, 3)]
-    assert [g.prefix for g in kept.groups] == [3, None, 2] and not kept.prefixes_only
-    assert kept.groups[1].index.tolist() == [[0], [1]]
+    assert [g.span for g in kept.groups] == [(1, 3), None, (0, 2)]
+    assert kept.groups[1].index.tolist() == [[0, 2], [0, 2]]
     assert kept.order.tolist() == [0, 1, 3, 2]
-    kept = core._kept_keys(torch.tensor([[True, False], [True, True]]))
-    assert kept.order is None and [g.rows for g in kept.groups] == [slice(0, 1), slice(1, 2)]
     assert core._kept_keys(torch.tensor([[True, True], [False, False]])) is None
 
 
-@pytest.mark.parametrize("causal,prefix,path", [
-    (False, False, ["_compacted"] * 6), (False, True, ["_prefix_attention"] * 3),
-    (True, True, ["_prefix_attention"] * 3), (True, False, [])])
-def test_key_masks_keeping_different_numbers_of_keys(causal, prefix, path, monkeypatch):
-    """Rows keeping different numbers of keys (rows 0 and 3, 1 and 4 as many): each group of
-    rows on its kept keys alone, the rows back in their order; equal to the dense mask's output
-    and gradients.  A causal call with masked keys before kept ones: the masked path."""
-    import cake_sp.attention as core
-
-    taken = []
-    for name in ("_compacted", "_prefix_attention"):
-        real = getattr(core, name)
-        monkeypatch.setattr(core, name, lambda *a, real=real, name=name:
-                            taken.append(name) or real(*a))
+@pytest.mark.parametrize("causal,layout,path", [
+    (False, "scattered", ["_compacted"] * 6), (False, "first", ["_span_attention"] * 3),
+    (True, "first", ["_span_attention"] * 3), (True, "last", ["_span_attention"] * 3),
+    (True, "scattered", [])])
+def test_key_masks_keeping_different_keys(causal, layout, path, monkeypatch):
+    """Rows keeping different keys (rows 0 and 3, 1 and 4 alike): each group of rows on its
+    kept keys alone, the rows back in their order; equal to the dense mask's output and
+    gradients.  A causal call with scattered keys: the masked path."""
+    taken = _record_paths(monkeypatch)
     g = torch.Generator().manual_seed(6)
-    batch, seq = 5, 13
-    q, k, v = (t.requires_grad_(True) for t in _gqa_inputs(g, batch, seq))
-    mask = torch.cat([_equal_count_key_mask(g, 1, seq, kept=n, prefix=prefix)
-                      for n in (5, 11, 8, 5, 11)])
-    got = attention(q, k, v, causal=causal, softmax_scale=0.3, backend="sdpa", key_mask=mask)
+    seq = 13
+    q, k, v = (t.requires_grad_(True) for t in _gqa_inputs(g, 5, seq))
+    if layout == "scattered":  # as many keys as the others of its group: compacted together
+        mask = torch.cat([_key_mask_keeping(g, seq, n, layout) for n in (5, 11, 8, 5, 11)])
+    else:
+        mask = torch.cat([_key_mask_keeping(g, seq, n, layout) for n in (5, 11, 8)])
+        mask = mask[[0, 1, 2, 0, 1]]
+    _check_against_a_dense_mask(q, k, v, mask, causal, g)
     assert taken == path
-    allowed = mask.view(batch, 1, 1, seq).expand(batch, 1, seq, seq)
-    if causal:
-        allowed = allowed & torch.ones(seq, seq, dtype=torch.bool).tril()
-    dy = torch.randn(got.shape, generator=g, dtype=torch.float64)
-    grads = torch.autograd.grad(got, (q, k, v), dy)
-    want = _dense_sdpa(q, k, v, allowed)
-    want_grads = torch.autograd.grad(want, (q, k, v), dy)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    for mine, theirs in zip(grads, want_grads):
-        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
-    assert (grads[1][~mask] == 0).all(), "a masked key got a gradient"
