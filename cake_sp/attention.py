@@ -37,7 +37,8 @@ scattered keys, and where a row keeps no key, the mask goes to SDPA as a boolean
 memory-efficient kernel), except where SDPA would fall back to its math kernel or need the
 ``S x S`` mask: GQA or causal calls on a GPU take ``flex_attention`` with a block mask of
 the keys (built once per mask tensor).  A query left with no key (every key masked, or every
-earlier one if causal) gets what the kernel gives there (zeros from SDPA and flex attention).
+earlier one if causal) gets what the kernel gives there (zeros from SDPA's math and
+memory-efficient kernels and from flex attention).
 """
 
 from __future__ import annotations
