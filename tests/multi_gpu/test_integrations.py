@@ -1086,6 +1086,11 @@ def case_ltx_transformer_gradients(ctx):
     return _check_video(ctx, _ltx_problem(ctx, per_token_timestep=False), gradients=True)
 
 
+def case_ltx_transformer_compiled_blocks(ctx):
+    return _check_video(ctx, _ltx_problem(ctx, per_token_timestep=False), gradients=True,
+                        compiled=True)
+
+
 def case_wan_i2v_transformer(ctx):
     return _check_video(ctx, _wan_problem(ctx, per_token_timestep=False, image=True),
                         gradients=False)
@@ -1299,7 +1304,8 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_wan_transformer_per_token_timestep, case_wan_transformer_gradients,
                 case_wan_i2v_transformer, case_wan_transformer_lora,
                 case_wan_transformer_compiled_blocks, case_ltx_transformer,
-                case_ltx_transformer_per_token_timestep, case_ltx_transformer_gradients]
+                case_ltx_transformer_per_token_timestep, case_ltx_transformer_gradients,
+                case_ltx_transformer_compiled_blocks]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
