@@ -85,9 +85,9 @@ class UlyssesAttention(nn.Module):
     num_slots : int
         Receive slots of each forward exchange: how many forwards may await their
         backward at once (an activation-checkpointed forward holds none), and how many
-        calls' outputs stay valid without grad.  1 (the default) serves ``fwd, bwd, fwd,
-        bwd`` schedules with or without checkpointing; a pipeline schedule with ``k``
-        forwards awaiting their backwards needs ``k``.
+        calls' ``front_end`` outputs stay valid without grad.  1 (the default) serves
+        ``fwd, bwd, fwd, bwd`` schedules with or without checkpointing; a pipeline schedule
+        with ``k`` forwards awaiting their backwards needs ``k``.
     engine : {"auto", "fused", "cublas"}
         The front end's producer (see ``QkvNormRopeExchangeOverlap``).
     save_projection : bool
@@ -149,13 +149,17 @@ class UlyssesAttention(nn.Module):
             engine=engine, save_projection=save_projection)
         plan = self.session.plan
         self._group, self._timeout = group, wait_timeout_s
-        self._share_scatter = share_backward_exchange
-        self._gather = make_band_exchange(
-            self.session.backend, group,
-            BandTransfer(GATHER_TOKENS, plan.world_size, (plan.q_per_rank,), head_dim),
-            max_tokens=max_tokens, num_slots=num_slots, device=device,
-            wait_timeout_s=wait_timeout_s, what="output exchange")
-        self._scatter = None  # the backward's, built by the first forward that needs it
+        self._share_scatter, self._num_slots = share_backward_exchange, num_slots
+        # The output step's gather by tokens: without grad one slot shared by every layer of
+        # the same shape on the group (its rows are read at once, by o_proj or a copy), so a
+        # model served without grad holds one, not one a layer; under grad this layer's own,
+        # built by the first forward under grad, leased until the backward.
+        self._gather_transfer = BandTransfer(GATHER_TOKENS, plan.world_size,
+                                             (plan.q_per_rank,), head_dim)
+        self._shared_gather = shared_band_exchange(
+            self.session.backend, group, self._gather_transfer, max_tokens=max_tokens,
+            device=device, wait_timeout_s=wait_timeout_s, what="output exchange")
+        self._gather = self._scatter = None  # built by the first forward under grad
         self.op_handle = ops.register(self)  # how the compiled output step names this layer
 
         def param(*shape):
@@ -228,10 +232,9 @@ class UlyssesAttention(nn.Module):
             causal or GQA calls on flex attention (``cake_sp.attention``).  A query with no
             key to attend gives zeros.
 
-        Every rank of the group calls, in the same order.  Without grad the result of
-        the no-o_proj layer is a view of a receive slot (valid ``num_slots - 1`` further
-        calls); with grad every slot a call's autograd state reads stays leased until
-        its backward.
+        Every rank of the group calls, in the same order.  Without grad the result is a
+        fresh tensor; with grad (the no-o_proj layer's result is then a view of a receive
+        slot) every slot a call's autograd state reads stays leased until its backward.
 
         Under ``torch.compile`` the session call and the output step are custom operators
         (``session/ops.py``), so the layer compiles into the model's graph (and its
@@ -323,11 +326,15 @@ class UlyssesAttention(nn.Module):
         ``S``): gathered by tokens from every rank's head band, then o_proj."""
         o_weight, o_bias = (None if p is None else p.to(torch.bfloat16)
                             for p in (self.o_weight, self.o_bias))
+        grad = torch.is_grad_enabled()
         with torch.autocast(o.device.type, enabled=False):
             if torch.compiler.is_compiling():
-                return ops.output_projection(self, o, o_weight, o_bias)
-            return OutputProjectionFunction.apply(
-                *self.output_exchanges(torch.is_grad_enabled()), o, o_weight, o_bias)
+                y = ops.output_projection(self, o, o_weight, o_bias)
+            else:
+                y = OutputProjectionFunction.apply(*self.output_exchanges(grad), o, o_weight,
+                                                   o_bias)
+        # Without o_proj and grad, y is the shared slot itself: copied out.
+        return y if grad or o_weight is not None else y.clone()
 
     @property
     def plan(self):
@@ -335,9 +342,18 @@ class UlyssesAttention(nn.Module):
         return self.session.plan
 
     def output_exchanges(self, for_backward: bool) -> tuple:
-        """The output step's exchanges: the gather by tokens of ``o``, and (for a call whose
-        backward will run) the scatter by heads of ``d_o``, else None."""
-        return self._gather, self._backward_exchange() if for_backward else None
+        """The output step's exchanges: the gather by tokens of ``o`` (this layer's own for a
+        call whose backward will run, built by the first; else the shared one), and for such
+        a call the scatter by heads of ``d_o``, else None."""
+        if not for_backward:
+            return self._shared_gather, None
+        if self._gather is None:
+            self._gather = make_band_exchange(
+                self.session.backend, self._group, self._gather_transfer,
+                max_tokens=self.max_tokens, num_slots=self._num_slots,
+                device=self.session.device, wait_timeout_s=self._timeout,
+                what="output exchange")
+        return self._gather, self._backward_exchange()
 
     def _backward_exchange(self):
         """The scatter by heads of ``d_o``, built by the first forward under grad (collective:
@@ -359,23 +375,25 @@ class UlyssesAttention(nn.Module):
     def buffer_bytes(self) -> int:
         """Device memory this layer's exchanges hold on this rank (receive slots, staging
         buffers, readiness words), allocated once at construction and at the first forward
-        under grad; the parameters not included.  The backward's two exchanges are shared by
-        every layer of the same shape (the scatter unless ``share_backward_exchange`` is
-        off) and counted in each."""
-        exchanges = (self.session._impl, self.session._grad_exchange, self._gather,
-                     self._scatter)
+        under grad; the parameters not included.  The output gather without grad and the
+        backward's two exchanges are shared by every layer of the same shape (the scatter
+        unless ``share_backward_exchange`` is off) and counted in each."""
+        exchanges = (self.session._impl, self.session._grad_exchange, self._shared_gather,
+                     self._gather, self._scatter)
         return sum(e.nbytes for e in exchanges if e is not None)
 
     def synchronize(self) -> None:
         """Wait for this rank's enqueued work; raise if an exchange timed out (see the session)."""
         self.session.synchronize()
-        for exchange in (self._gather, self._scatter):
+        for exchange in (self._shared_gather, self._gather, self._scatter):
             if exchange is not None:
                 exchange.check()
 
     def close(self) -> None:
         """Release the exchanges' buffers (collective on the NVLink path).  Idempotent."""
         self.session.close()
+        if self._shared_gather is not None:
+            release_band_exchange(self._shared_gather)
         if self._gather is not None:
             self._gather.close()
         if self._scatter is not None:
@@ -383,7 +401,7 @@ class UlyssesAttention(nn.Module):
                 release_band_exchange(self._scatter)
             else:
                 self._scatter.close()
-        self._gather = self._scatter = self._group = None
+        self._shared_gather = self._gather = self._scatter = self._group = None
 
     def __enter__(self) -> UlyssesAttention:
         return self

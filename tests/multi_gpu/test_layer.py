@@ -11,6 +11,7 @@ On CPUs the ranks use gloo and the NCCL path; ``CAKE_SP_TEST_DEVICE`` (see
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -118,10 +119,17 @@ def _check_layer(ctx, kind, *, batch=2, seq_local=13, rope_style="neox", causal=
         # Forward only, under no_grad, through the same call: the same y, and no autograd
         # state.  (Compiled, the same call matters: aot_eager runs a traced flex attention
         # on its dense implementation, so eager and compiled agree within rounding only.)
+        # Then a call on other inputs leaves that y alone (without grad the output slot is
+        # shared, and a result is a tensor of its own).
         with torch.no_grad():
             y_eval, _, _ = _run(ctx, layer, problem, grad=False, cu_seqlens=cu_seqlens,
                                 key_mask=key_mask, call=call)
+            kept = y_eval.clone()
+            doubled = dataclasses.replace(problem, xs=[2 * x for x in problem.xs])
+            _run(ctx, layer, doubled, grad=False, cu_seqlens=cu_seqlens, key_mask=key_mask,
+                 call=call)
         report["no_grad_equal"] = bool(torch.equal(y_eval, y.detach()))
+        report["no_grad_kept"] = bool(torch.equal(y_eval, kept))
         report["no_grad_graph"] = y_eval.grad_fn is not None
     return report
 
@@ -428,8 +436,9 @@ def case_checkpoint_and_inference(ctx):
         with torch.inference_mode():
             outs += [layer(problem.xs[r].to(dev), table) for _ in range(3)]
         report["inference_equal"] = all(torch.equal(o, outs[0]) for o in outs)
-        # A second layer of the same shape shares the backward's exchanges (not the forward's),
-        # and its gradients are those of the first (same weights, same inputs).
+        # A second layer of the same shape shares the backward's exchanges and the output
+        # gather without grad (not the forward's under grad), and its gradients are those of
+        # the first (same weights, same inputs).
         with _build(ctx, hq, hkv, qkv_bias=True, o_bias=True) as other:
             _load(other, problem.params)
             x.grad = None
@@ -437,7 +446,8 @@ def case_checkpoint_and_inference(ctx):
             report["backward_shared"] = (other._scatter is layer._scatter and
                                          other.session.grad_exchange() is
                                          layer.session.grad_exchange() and
-                                         other._gather is not layer._gather)
+                                         other._gather is not layer._gather and
+                                         other._shared_gather is layer._shared_gather)
             report["second_layer_equal"] = torch.equal(x.grad, plain[0])
     return report
 
@@ -650,7 +660,8 @@ def _check_errors(world, name, per_rank) -> str:
         if "backend" in report:
             assert report["backend"] == EXPECTED_BACKEND, report["reason"]
         if "no_grad_equal" in report:
-            assert report["no_grad_equal"] and not report["no_grad_graph"]
+            assert report["no_grad_equal"] and report["no_grad_kept"]
+            assert not report["no_grad_graph"]
         if "row_chunks" in report:
             assert report["row_chunks"] == (2 if EXPECTED_BACKEND == "nvlink" else 1), report
     return summary
