@@ -14,6 +14,8 @@ like the layers' construction).
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -31,20 +33,24 @@ def stacked_projections(projections: tuple[nn.Linear, ...]) -> tuple[Tensor, Ten
     return torch.cat([p.weight for p in projections]), bias
 
 
-def check_adapters_merged(modules: list[tuple[str, nn.Module]]) -> None:
+def check_adapters_merged(modules: list[tuple[str, nn.Module]],
+                          kept: Container[str] = ()) -> None:
     """``ValueError`` naming the submodules of ``modules`` (``(name, module)`` pairs, the
     attentions about to be replaced) that carry active PEFT adapters (LoRA) not merged into
     their base weights.  The drop-ins copy the base weights, so such an adapter would be
-    dropped without a word; merged, it is in them."""
+    dropped without a word; merged, it is in them.  ``kept``: the full names of submodules
+    the drop-in keeps and calls as they are (their adapters keep working)."""
     unmerged = []
     for prefix, module in modules:
         for name, m in module.named_modules():
-            if not hasattr(m, "merged_adapters") or getattr(m, "disable_adapters", False):
-                continue  # not a PEFT tuner layer, or its adapters are switched off
+            full = f"{prefix}.{name}" if prefix else name
+            if (not hasattr(m, "merged_adapters") or getattr(m, "disable_adapters", False)
+                    or full in kept):
+                continue  # not a PEFT tuner layer, its adapters off, or kept as it is
             held = [getattr(m, layer, {}) for layer in getattr(m, "adapter_layer_names", ())]
             if any(a not in m.merged_adapters and any(a in h for h in held)
                    for a in m.active_adapters):
-                unmerged.append(f"{prefix}.{name}" if prefix else name)
+                unmerged.append(full)
     if unmerged:
         raise ValueError(f"apply_ulysses: {unmerged[:3]} carry adapters (LoRA) not merged into "
                          f"their weights, which the drop-in would lose; merge them first "

@@ -176,6 +176,10 @@ class FluxUlyssesAttention(nn.Module):
     """A FLUX single-stream block's attention on this rank's token shard (``self.layer`` owns
     the weights)."""
 
+    # Submodules of the replaced attention this module keeps and calls as they are (so their
+    # LoRA adapters, merged or not, keep working); it copies the others' weights.
+    KEPT_SUBMODULES: tuple[str, ...] = ()
+
     def __init__(self, attn: nn.Module, *, group=None, max_tokens: int, **layer_options) -> None:
         super().__init__()
         resolved = resolve_group(group)
@@ -224,7 +228,9 @@ class Flux2ParallelUlyssesAttention(FluxUlyssesAttention):
     shard: attention and MLP side by side.  Its fused ``to_qkv_mlp_proj`` is split: the
     ``q, k, v`` rows become ``self.layer``'s projection, the MLP rows ``self.mlp_in``; the
     attention output and the MLP's SwiGLU are joined for ``to_out`` as diffusers' processor
-    does."""
+    does.  ``to_out`` is the block's own module (its adapters, merged or not, keep working)."""
+
+    KEPT_SUBMODULES = ("to_out",)
 
     def __init__(self, attn: nn.Module, *, group=None, max_tokens: int, **layer_options) -> None:
         super().__init__(attn, group=group, max_tokens=max_tokens, **layer_options)
@@ -264,6 +270,8 @@ class DualStreamUlyssesAttention(nn.Module):
     The joined bands are a copy of both streams' (``torch.cat``), and the attention output
     is split by copies too.
     """
+
+    KEPT_SUBMODULES: tuple[str, ...] = ()  # as FluxUlyssesAttention's
 
     def __init__(self, attn: nn.Module, *, group=None, max_tokens: int, **layer_options) -> None:
         super().__init__()
@@ -500,7 +508,10 @@ def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_opti
                          f"{supported}")
     if not blocks:
         raise ValueError(f"apply_ulysses: {type(model).__name__} has none of {supported}")
-    check_adapters_merged([(f"{n}.attn" if n else "attn", b.attn) for n, b in blocks])
+    names = [(f"{n}.attn" if n else "attn", b) for n, b in blocks]
+    check_adapters_merged([(name, b.attn) for name, b in names],
+                          kept={f"{name}.{sub}" for name, b in names
+                                for sub in kinds[type(b)].KEPT_SUBMODULES})
     qwen_image = isinstance(model, QwenImageTransformer2DModel)
     if qwen_image and model.config.zero_cond_t:
         raise ValueError("apply_ulysses: a QwenImageTransformer2DModel with zero_cond_t=True "

@@ -664,6 +664,50 @@ def case_flux2_transformer(ctx):
             "bf16_rel_error": relative_error(peer, want)}
 
 
+def case_flux2_single_block_lora_on_to_out(ctx):
+    """A FLUX.2 single-stream block with a random unmerged LoRA adapter (PEFT) on ``to_out``,
+    the module the drop-in keeps and calls: accepted, and its output (no grad) is the
+    unmodified block's with the adapter; the block without the adapter must be far off."""
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2PosEmbed,
+        Flux2SingleTransformerBlock,
+    )
+
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import apply_ulysses
+
+    torch.manual_seed(1)
+    without = Flux2SingleTransformerBlock(dim=256, num_attention_heads=4,
+                                          attention_head_dim=64).to(ctx.device)
+    with torch.no_grad():
+        without.attn.to_out.weight[:, :256].mul_(ATTENTION_GAIN)
+    fp32 = _with_lora(copy.deepcopy(without), ["to_out"])
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=64)
+    g = torch.Generator().manual_seed(16)
+    seq, batch = 64, 2
+    x = torch.randn(batch, seq, 256, generator=g).to(ctx.device)
+    temb = torch.randn(batch, 3 * 256, generator=g).to(ctx.device)
+    cos, sin = Flux2PosEmbed(theta=2000, axes_dim=[16, 16, 16, 16])(
+        torch.cat(_flux2_ids(8, 7, 8)).to(ctx.device))
+    emb = (cos.float(), sin.float())
+    s = seq // ctx.world_size
+    own = slice(ctx.rank * s, (ctx.rank + 1) * s)
+
+    def run(module, dtype, rows):
+        with torch.no_grad():
+            return module(x[:, rows].to(dtype), None, temb.to(dtype), emb).float()
+
+    want = run(fp32, torch.float32, slice(None))[:, own]
+    report = {"replaced": 1, "rel_error": relative_error(run(ours, torch.bfloat16, own), want),
+              "bf16_rel_error": relative_error(run(bf16, torch.bfloat16, slice(None))[:, own],
+                                               want),
+              "without_lora_rel_error": relative_error(
+                  run(without, torch.float32, slice(None))[:, own], want)}
+    close(ours)
+    return report
+
+
 def case_flux2_single_block_gradients(ctx):
     """A FLUX.2 single-stream block's fused projection and output weight gradients (fp32
     master weights, bf16 autocast), summed over the ranks, against the unmodified block's on
@@ -1300,6 +1344,7 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_flux_transformer_whole_calls, case_flux_transformer_whole_calls_gradients,
                 case_qwen_image_whole_calls,
                 case_flux2_transformer, case_flux2_single_block_gradients,
+                case_flux2_single_block_lora_on_to_out,
                 case_flux2_transformer_whole_calls, case_wan_transformer,
                 case_wan_transformer_per_token_timestep, case_wan_transformer_gradients,
                 case_wan_i2v_transformer, case_wan_transformer_lora,

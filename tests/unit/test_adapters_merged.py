@@ -42,3 +42,13 @@ def test_merged_or_disabled_adapters_and_plain_modules_pass():
         layer.merge()  # the delta now in the base weight, which the drop-in copies
     check_adapters_merged([("attn", block.attn)])
     check_adapters_merged([("", torch.nn.Linear(4, 4))])
+
+
+def test_kept_submodules_may_carry_unmerged_adapters():
+    """A submodule the drop-in keeps and calls as it is (FLUX.2's single-stream ``to_out``)
+    keeps its adapters: named in ``kept`` (full names), it is not refused; the others are."""
+    block = _flux_block_with_lora()
+    check_adapters_merged([("b.attn", block.attn)], kept={"b.attn.to_q", "b.attn.add_k_proj"})
+    with pytest.raises(ValueError, match="not merged") as info:
+        check_adapters_merged([("b.attn", block.attn)], kept={"b.attn.to_q"})
+    assert "'b.attn.add_k_proj'" in str(info.value) and "to_q" not in str(info.value)
