@@ -664,35 +664,41 @@ def case_flux2_transformer(ctx):
             "bf16_rel_error": relative_error(peer, want)}
 
 
-def case_flux2_single_block_lora_on_to_out(ctx):
-    """A FLUX.2 single-stream block with a random unmerged LoRA adapter (PEFT) on ``to_out``,
-    the module the drop-in keeps and calls: accepted, and its output (no grad) is the
-    unmodified block's with the adapter; the block without the adapter must be far off."""
+def _flux2_single_block_problem(ctx, seed: int):
+    """A FLUX.2 single-stream block (fp32, its attention's share of ``to_out`` scaled up),
+    ``x [2, 64, 256]``, ``temb``, the RoPE ``(cos, sin)`` of 64 tokens (text first), this
+    rank's rows, and the generator that drew them (``seed``)."""
     from diffusers.models.transformers.transformer_flux2 import (
         Flux2PosEmbed,
         Flux2SingleTransformerBlock,
     )
 
-    from cake_sp.integrations import close
-    from cake_sp.integrations.diffusers import apply_ulysses
-
     torch.manual_seed(1)
-    without = Flux2SingleTransformerBlock(dim=256, num_attention_heads=4,
-                                          attention_head_dim=64).to(ctx.device)
+    block = Flux2SingleTransformerBlock(dim=256, num_attention_heads=4,
+                                        attention_head_dim=64).to(ctx.device)
     with torch.no_grad():
-        without.attn.to_out.weight[:, :256].mul_(ATTENTION_GAIN)
-    fp32 = _with_lora(copy.deepcopy(without), ["to_out"])
-    bf16 = copy.deepcopy(fp32).bfloat16()
-    ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=64)
-    g = torch.Generator().manual_seed(16)
+        block.attn.to_out.weight[:, :256].mul_(ATTENTION_GAIN)
+    g = torch.Generator().manual_seed(seed)
     seq, batch = 64, 2
     x = torch.randn(batch, seq, 256, generator=g).to(ctx.device)
     temb = torch.randn(batch, 3 * 256, generator=g).to(ctx.device)
     cos, sin = Flux2PosEmbed(theta=2000, axes_dim=[16, 16, 16, 16])(
         torch.cat(_flux2_ids(8, 7, 8)).to(ctx.device))
-    emb = (cos.float(), sin.float())
     s = seq // ctx.world_size
-    own = slice(ctx.rank * s, (ctx.rank + 1) * s)
+    return block, x, temb, (cos.float(), sin.float()), slice(ctx.rank * s, (ctx.rank + 1) * s), g
+
+
+def case_flux2_single_block_lora_on_to_out(ctx):
+    """A FLUX.2 single-stream block with a random unmerged LoRA adapter (PEFT) on ``to_out``,
+    the module the drop-in keeps and calls: accepted, and its output (no grad) is the
+    unmodified block's with the adapter; the block without the adapter must be far off."""
+    from cake_sp.integrations import close
+    from cake_sp.integrations.diffusers import apply_ulysses
+
+    without, x, temb, emb, own, _ = _flux2_single_block_problem(ctx, seed=16)
+    fp32 = _with_lora(copy.deepcopy(without), ["to_out"])
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    ours = apply_ulysses(copy.deepcopy(bf16), max_tokens=64)
 
     def run(module, dtype, rows):
         with torch.no_grad():
@@ -713,31 +719,13 @@ def case_flux2_single_block_gradients(ctx):
     master weights, bf16 autocast), summed over the ranks, against the unmodified block's on
     the full sequence: the split ``to_qkv_mlp_proj`` (attention rows in the layer, MLP rows
     beside it) must give back the fused weight's gradient."""
-    from diffusers.models.transformers.transformer_flux2 import (
-        Flux2PosEmbed,
-        Flux2SingleTransformerBlock,
-    )
-
     from cake_sp.integrations import close
     from cake_sp.integrations.diffusers import apply_ulysses
 
-    torch.manual_seed(1)
-    block = Flux2SingleTransformerBlock(dim=256, num_attention_heads=4,
-                                        attention_head_dim=64).to(ctx.device)
-    with torch.no_grad():
-        block.attn.to_out.weight[:, :256].mul_(ATTENTION_GAIN)
+    block, x, temb, emb, own, g = _flux2_single_block_problem(ctx, seed=15)
     bf16 = copy.deepcopy(block).bfloat16()
     ours = apply_ulysses(copy.deepcopy(block), max_tokens=64)
-    g = torch.Generator().manual_seed(15)
-    seq, batch = 64, 2
-    x = torch.randn(batch, seq, 256, generator=g).to(ctx.device)
-    temb = torch.randn(batch, 3 * 256, generator=g).to(ctx.device)
-    weights = torch.randn(batch, seq, 256, generator=g).to(ctx.device)
-    cos, sin = Flux2PosEmbed(theta=2000, axes_dim=[16, 16, 16, 16])(
-        torch.cat(_flux2_ids(8, 7, 8)).to(ctx.device))  # 64 tokens, text first
-    emb = (cos.float(), sin.float())
-    s = seq // ctx.world_size
-    own = slice(ctx.rank * s, (ctx.rank + 1) * s)
+    weights = torch.randn(x.shape, generator=g).to(ctx.device)
 
     def backward(module, dtype, rows, rotary):
         out = module(x[:, rows].to(dtype), None, temb.to(dtype), rotary)
