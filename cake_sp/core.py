@@ -187,7 +187,7 @@ class UlyssesAttentionCore(nn.Module):
                                       seq=self.plan.world_size * seq_local, device=q.device)
         if self.plan.kv_replicas > 1:  # each rank's K/V head, once per rank that uses it
             k, v = (t.repeat_interleave(self.plan.kv_replicas, dim=2) for t in (k, v))
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        grad = ops.differentiable(q, k, v)
         compiling = torch.compiler.is_compiling()
         if compiling:
             q, k, v = ops.head_scatter(self, q, k, v)

@@ -232,9 +232,10 @@ class UlyssesAttention(nn.Module):
             causal or GQA calls on flex attention (``cake_sp.attention``).  A query with no
             key to attend gives zeros.
 
-        Every rank of the group calls, in the same order.  Without grad the result is a
-        fresh tensor; with grad (the no-o_proj layer's result is then a view of a receive
-        slot) every slot a call's autograd state reads stays leased until its backward.
+        Every rank of the group calls, in the same order.  Without grad (or with nothing
+        requiring it, frozen weights) the result is a fresh tensor; with grad (the
+        no-o_proj layer's result is then a view of a receive slot) every slot a call's
+        autograd state reads stays leased until its backward.
 
         Under ``torch.compile`` the session call and the output step are custom operators
         (``session/ops.py``), so the layer compiles into the model's graph (and its
@@ -326,14 +327,15 @@ class UlyssesAttention(nn.Module):
         ``S``): gathered by tokens from every rank's head band, then o_proj."""
         o_weight, o_bias = (None if p is None else p.to(torch.bfloat16)
                             for p in (self.o_weight, self.o_bias))
-        grad = torch.is_grad_enabled()
+        # As the compiled operator decides: the same gather (own or shared) either way.
+        grad = ops.differentiable(o, o_weight, o_bias)
         with torch.autocast(o.device.type, enabled=False):
             if torch.compiler.is_compiling():
                 y = ops.output_projection(self, o, o_weight, o_bias)
             else:
                 y = OutputProjectionFunction.apply(*self.output_exchanges(grad), o, o_weight,
                                                    o_bias)
-        # Without o_proj and grad, y is the shared slot itself: copied out.
+        # Without o_proj and a backward, y is the shared slot itself: copied out.
         return y if grad or o_weight is not None else y.clone()
 
     @property

@@ -67,7 +67,9 @@ def _lookup(handle: int):
     return obj
 
 
-def _differentiable(*tensors: Tensor | None) -> bool:
+def differentiable(*tensors: Tensor | None) -> bool:
+    """Whether a call on ``tensors`` records a backward: what decides, eagerly and compiled,
+    between an exchange of the caller's own (leased until the backward) and a shared one."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
@@ -152,7 +154,7 @@ def front_end(session, x: Tensor, qkv_weight: Tensor, q_norm_weight: Tensor | No
               k_norm_weight: Tensor | None, rope_cos_sin: Tensor, positions: Tensor | None,
               qkv_bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | Tensor:
     """The session call as the operator (what ``session(...)`` runs under torch.compile)."""
-    for_backward = _differentiable(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight)
+    for_backward = differentiable(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight)
     slot, _ = torch.ops.cake_sp.front_end(session.op_handle, x, qkv_weight, qkv_bias,
                                           q_norm_weight, k_norm_weight, rope_cos_sin, positions,
                                           for_backward)
@@ -227,7 +229,7 @@ def output_projection(layer, o_band: Tensor, o_weight: Tensor | None,
                       o_bias: Tensor | None) -> Tensor:
     """The layer's output step as the operator (what the layer runs under torch.compile)."""
     y, _ = torch.ops.cake_sp.output_projection(
-        layer.op_handle, o_band, o_weight, o_bias, _differentiable(o_band, o_weight, o_bias))
+        layer.op_handle, o_band, o_weight, o_bias, differentiable(o_band, o_weight, o_bias))
     return y
 
 
@@ -287,5 +289,5 @@ def head_scatter(core, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor,
     """The core's scatter as the operator (what the core runs under torch.compile): the
     q, k, v bands, views of one slot-shaped output."""
     bands, _ = torch.ops.cake_sp.head_scatter(core.op_handle, q, k, v,
-                                              _differentiable(q, k, v))
+                                              differentiable(q, k, v))
     return bands.split(core.band_heads, dim=2)

@@ -131,6 +131,15 @@ def _check_layer(ctx, kind, *, batch=2, seq_local=13, rope_style="neox", causal=
         report["no_grad_equal"] = bool(torch.equal(y_eval, y.detach()))
         report["no_grad_kept"] = bool(torch.equal(y_eval, kept))
         report["no_grad_graph"] = y_eval.grad_fn is not None
+        # The same in grad mode with nothing requiring grad (frozen weights): the shared slot,
+        # and a result of its own (eagerly: the decision is the compiled operator's, and a
+        # compiled call would recompile for the frozen weights).
+        layer.requires_grad_(False)
+        y_frozen, _, _ = _run(ctx, layer, problem, grad=False, cu_seqlens=cu_seqlens,
+                              key_mask=key_mask)
+        kept = y_frozen.clone()
+        _run(ctx, layer, doubled, grad=False, cu_seqlens=cu_seqlens, key_mask=key_mask)
+        report["frozen_kept"] = bool(torch.equal(y_frozen, kept))
     return report
 
 
@@ -660,7 +669,7 @@ def _check_errors(world, name, per_rank) -> str:
         if "backend" in report:
             assert report["backend"] == EXPECTED_BACKEND, report["reason"]
         if "no_grad_equal" in report:
-            assert report["no_grad_equal"] and report["no_grad_kept"]
+            assert report["no_grad_equal"] and report["no_grad_kept"] and report["frozen_kept"]
             assert not report["no_grad_graph"]
         if "row_chunks" in report:
             assert report["row_chunks"] == (2 if EXPECTED_BACKEND == "nvlink" else 1), report
