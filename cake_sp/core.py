@@ -27,13 +27,10 @@ from cake_sp.kernels.producer import HEAD_DIMS
 from cake_sp.layouts import GATHER_TOKENS, SCATTER_HEADS, BandTransfer, HeadPlan
 from cake_sp.session import ops
 from cake_sp.session.autograd import HeadScatterFunction, OutputProjectionFunction
-from cake_sp.session.bands import (
-    make_band_exchange,
-    release_band_exchange,
-    shared_band_exchange,
-)
+from cake_sp.session.bands import make_band_exchange, shared_band_exchange
 from cake_sp.session.mesh import Backend, EnvOverrides, probe_mesh
 from cake_sp.session.overlap import _resolve_device, agree_on_backend, resolve_group
+from cake_sp.session.shared import release_shared
 
 # What q, k and v may come in: bf16 as they are, fp32 cast to bf16 (the exchange and the
 # attention run in bf16, as the layer's).
@@ -236,7 +233,7 @@ class UlyssesAttentionCore(nn.Module):
         for exchange in self._own.values():
             exchange.close()
         for exchange in self._shared.values():
-            release_band_exchange(exchange)
+            release_shared(exchange)
         self._own, self._shared, self._group = {}, {}, None
 
     def __enter__(self) -> UlyssesAttentionCore:

@@ -35,17 +35,14 @@ from cake_sp.attention import (
 from cake_sp.layouts import GATHER_TOKENS, SCATTER_HEADS, BandTransfer
 from cake_sp.session import ops
 from cake_sp.session.autograd import OutputProjectionFunction
-from cake_sp.session.bands import (
-    make_band_exchange,
-    release_band_exchange,
-    shared_band_exchange,
-)
+from cake_sp.session.bands import make_band_exchange, shared_band_exchange
 from cake_sp.session.overlap import (
     QkvNormRopeExchangeOverlap,
     _resolve_device,
     raise_unless_agreed,
     resolve_group,
 )
+from cake_sp.session.shared import release_shared
 
 PARAM_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -84,10 +81,19 @@ class UlyssesAttention(nn.Module):
         attention output ``[B, S_local, Hq * D]`` and has no ``o_weight``.
     num_slots : int
         Receive slots of each forward exchange: how many forwards may await their
-        backward at once (an activation-checkpointed forward holds none), and how many
-        calls' ``front_end`` outputs stay valid without grad.  1 (the default) serves
-        ``fwd, bwd, fwd, bwd`` schedules with or without checkpointing; a pipeline schedule
-        with ``k`` forwards awaiting their backwards needs ``k``.
+        backward at once (an activation-checkpointed forward holds none).  1 (the default)
+        serves ``fwd, bwd, fwd, bwd`` schedules with or without checkpointing; a pipeline
+        schedule with ``k`` forwards awaiting their backwards needs ``k``.
+    slot_pool : str or None
+        Without grad the front end stores its bands in one receive slot held in common by
+        every layer of the same shape and ``slot_pool`` on the group (the attention reads
+        them at once), and the layer's own slots are built by its first forward under
+        grad: a model served without grad holds one, not one a layer.  ``front_end``'s
+        outputs without grad are then valid until the next ``front_end`` of the pool, so
+        a module that keeps one layer's while another layer's runs (the dual-stream
+        blocks of ``integrations.diffusers``) puts the two layers in different pools.
+        None: the layer's own ``num_slots`` slots for every call (``front_end``'s outputs
+        without grad valid for ``num_slots - 1`` further calls), built with the layer.
     engine : {"auto", "fused", "cublas"}
         The front end's producer (see ``QkvNormRopeExchangeOverlap``).
     save_projection : bool
@@ -119,7 +125,7 @@ class UlyssesAttention(nn.Module):
                  backend: str = "auto", o_proj: bool = True, num_slots: int = 1,
                  wait_timeout_s: float = 30.0, engine: str = "auto",
                  save_projection: bool = False, share_backward_exchange: bool = True,
-                 device: torch.device | str | None = None,
+                 slot_pool: str | None = "default", device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         group = resolve_group(group)
@@ -146,20 +152,17 @@ class UlyssesAttention(nn.Module):
             group, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             hidden=hidden, max_tokens=max_tokens, num_slots=num_slots, rope_style=rope_style,
             eps=eps, backend=backend, device=device, wait_timeout_s=wait_timeout_s,
-            engine=engine, save_projection=save_projection)
+            engine=engine, save_projection=save_projection, slot_pool=slot_pool)
         plan = self.session.plan
         self._group, self._timeout = group, wait_timeout_s
         self._share_scatter, self._num_slots = share_backward_exchange, num_slots
         # The output step's gather by tokens: without grad one slot shared by every layer of
         # the same shape on the group (its rows are read at once, by o_proj or a copy), so a
         # model served without grad holds one, not one a layer; under grad this layer's own,
-        # built by the first forward under grad, leased until the backward.
+        # leased until the backward.  Each is built by the first forward that needs it.
         self._gather_transfer = BandTransfer(GATHER_TOKENS, plan.world_size,
                                              (plan.q_per_rank,), head_dim)
-        self._shared_gather = shared_band_exchange(
-            self.session.backend, group, self._gather_transfer, max_tokens=max_tokens,
-            device=device, wait_timeout_s=wait_timeout_s, what="output exchange")
-        self._gather = self._scatter = None  # built by the first forward under grad
+        self._shared_gather = self._gather = self._scatter = None
         self.op_handle = ops.register(self)  # how the compiled output step names this layer
 
         def param(*shape):
@@ -272,7 +275,9 @@ class UlyssesAttention(nn.Module):
         """``q [B, S, Hq / W, D]``, ``k, v [B, S, Hkv_local, D]`` bf16: this rank's head band
         over the whole sequence (``S = W * S_local``, rank ``r``'s tokens at rows
         ``[r * S_local, (r + 1) * S_local)``), projected, normalised and rotated from every
-        rank's ``x`` (``forward``'s arguments).  Views of a receive slot (see ``forward``)."""
+        rank's ``x`` (``forward``'s arguments).  Views of a receive slot: under grad the
+        layer's own, leased until the backward; without, the pool's (``slot_pool``), valid
+        until its next ``front_end``."""
         if x.dtype != torch.bfloat16 and (x.dtype == torch.float32 or
                                           torch.is_autocast_enabled(x.device.type)):
             x = x.to(torch.bfloat16)
@@ -345,9 +350,15 @@ class UlyssesAttention(nn.Module):
 
     def output_exchanges(self, for_backward: bool) -> tuple:
         """The output step's exchanges: the gather by tokens of ``o`` (this layer's own for a
-        call whose backward will run, built by the first; else the shared one), and for such
-        a call the scatter by heads of ``d_o``, else None."""
+        call whose backward will run; else the shared one), and for such a call the scatter
+        by heads of ``d_o``, else None.  Each built by the first call that needs it
+        (collective: every rank makes the same calls)."""
         if not for_backward:
+            if self._shared_gather is None:
+                self._shared_gather = shared_band_exchange(
+                    self.session.backend, self._group, self._gather_transfer,
+                    max_tokens=self.max_tokens, device=self.session.device,
+                    wait_timeout_s=self._timeout, what="output exchange")
             return self._shared_gather, None
         if self._gather is None:
             self._gather = make_band_exchange(
@@ -376,12 +387,12 @@ class UlyssesAttention(nn.Module):
     @property
     def buffer_bytes(self) -> int:
         """Device memory this layer's exchanges hold on this rank (receive slots, staging
-        buffers, readiness words), allocated once at construction and at the first forward
-        under grad; the parameters not included.  The output gather without grad and the
-        backward's two exchanges are shared by every layer of the same shape (the scatter
-        unless ``share_backward_exchange`` is off) and counted in each."""
-        exchanges = (self.session._impl, self.session._grad_exchange, self._shared_gather,
-                     self._gather, self._scatter)
+        buffers, readiness words), allocated at the first forward without grad and at the
+        first under grad (with ``slot_pool=None``, the front end's at construction); the
+        parameters not included.  What a layer holds in common with others (the exchanges
+        without grad, the backward's two, the NCCL path's staging) is counted in each."""
+        exchanges = (*self.session.held_exchanges, self._shared_gather, self._gather,
+                     self._scatter)
         return sum(e.nbytes for e in exchanges if e is not None)
 
     def synchronize(self) -> None:
@@ -395,12 +406,12 @@ class UlyssesAttention(nn.Module):
         """Release the exchanges' buffers (collective on the NVLink path).  Idempotent."""
         self.session.close()
         if self._shared_gather is not None:
-            release_band_exchange(self._shared_gather)
+            release_shared(self._shared_gather)
         if self._gather is not None:
             self._gather.close()
         if self._scatter is not None:
             if self._share_scatter:
-                release_band_exchange(self._scatter)
+                release_shared(self._scatter)
             else:
                 self._scatter.close()
         self._shared_gather = self._gather = self._scatter = self._group = None

@@ -22,12 +22,24 @@ from torch import Tensor
 
 from cake_sp.layouts import GATHER_TOKENS, BandTransfer
 from cake_sp.session.bands import PendingBands, check_parts
+from cake_sp.session.shared import hold_shared, release_shared
 from cake_sp.session.slots import SlotLease, SlotRing
 
 
+def hold_staging(group: dist.ProcessGroup, device: torch.device, elements: int
+                 ) -> tuple[Tensor, Tensor]:
+    """A send and a receive buffer of ``elements`` bf16 values, held in common by every NCCL
+    exchange of that size on ``group`` (release with ``release_shared``): an exchange uses
+    them between a call's pack and its unpack only, and a rank has one exchange in flight
+    at a time (each exchange step sends and waits within one call)."""
+    return hold_shared(("nccl staging", id(group), str(device), elements),
+                       lambda: tuple(torch.empty(elements, dtype=torch.bfloat16, device=device)
+                                     for _ in ("send", "recv")))
+
+
 class NcclBandExchange:
-    """Send and receive buffers of ``transfer.slot_elements(max_tokens)`` bf16 values and a
-    slot ring of as many; all ordinary device memory owned here."""
+    """A slot ring of ``transfer.slot_elements(max_tokens)`` bf16 values, owned here, and send
+    and receive buffers of as many (``hold_staging``); all ordinary device memory."""
 
     graph_capturable = False
 
@@ -38,9 +50,10 @@ class NcclBandExchange:
         self._group = group
         elements = transfer.slot_elements(max_tokens)
         self.ring = SlotRing.local(elements, num_slots, device, what=what)
+        self._staging = None
         if transfer.world_size > 1:
-            self._send = torch.empty(elements, dtype=torch.bfloat16, device=device)
-            self._recv = torch.empty_like(self._send)
+            self._staging = hold_staging(group, device, elements)
+            self._send, self._recv = self._staging
 
     def _blocks(self, buffer: Tensor, batch: int, seq_local: int) -> Tensor:
         """``buffer`` as ``[W, B, S_local, heads, D]``: the block for (or from) each rank."""
@@ -102,14 +115,16 @@ class NcclBandExchange:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the ring and of the send and receive buffers."""
-        staging = 2 * self._send.nbytes if self.transfer.world_size > 1 else 0
+        """Bytes of the ring and of the send and receive buffers (counted in each holder)."""
+        staging = 2 * self._send.nbytes if self._staging is not None else 0
         return self.ring.nbytes + staging
 
     def check(self) -> None:
         """Nothing is reported asynchronously on this path."""
 
     def close(self) -> None:
-        """Nothing collective to release (the buffers are ordinary device memory); drops the
-        reference to the process group."""
-        self._group = None
+        """Drop the hold on the staging buffers and the reference to the process group
+        (nothing collective: the buffers are ordinary device memory)."""
+        if self._staging is not None:
+            release_shared(self._staging)
+        self._staging = self._group = None

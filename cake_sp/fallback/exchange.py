@@ -21,19 +21,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cake_sp.fallback.bands import hold_staging
 from cake_sp.fallback.torch_front_end import produce_torch
 from cake_sp.kernels import _config
 from cake_sp.layouts import DestLayout, HeadPlan
 from cake_sp.session.positions import BadPositionsCounter
 from cake_sp.session.producer import Producer
+from cake_sp.session.shared import release_shared
 from cake_sp.session.slots import CallInputs, SlotRing, deliver, front_end_layout
+
+
+def nccl_graph_capturable(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether the NCCL path's calls can be captured in a CUDA graph: a call allocates
+    nothing, never waits on the host and takes its slot on the host, so wherever its
+    collective can be (NCCL's is; gloo's all-to-all runs on the host), or with one rank."""
+    return device.type == "cuda" and (dist.get_world_size(group) == 1
+                                      or dist.get_backend(group) == dist.Backend.NCCL)
 
 
 class NcclExchange:
     """Buffers and call sequence of the NCCL path for one session.
 
-    Owns a send and a receive buffer of ``W * max_tokens`` token rows of every
-    head band (sized once, here) and the session's receive-slot ring.
+    Owns the session's receive-slot ring, and holds a send and a receive buffer of ``W *
+    max_tokens`` token rows of every head band (``fallback.bands.hold_staging``).
     """
 
     def __init__(self, group: dist.ProcessGroup, plan: HeadPlan, *, layout: str,
@@ -48,17 +58,14 @@ class NcclExchange:
         self.slots = SlotRing.local(DestLayout.buffer_elements(plan, max_tokens * world),
                                     num_slots, device, what="front end")
         self._bad_positions = BadPositionsCounter(device)
-        per_rank = DestLayout.buffer_elements(plan, max_tokens)
+        self._staging = None
         if world > 1:
-            self._send = torch.empty(world * per_rank, dtype=torch.bfloat16, device=device)
-            self._recv = torch.empty_like(self._send)
+            elements = world * DestLayout.buffer_elements(plan, max_tokens)
+            self._staging = hold_staging(group, device, elements)
+            self._send, self._recv = self._staging
             self._send_table = torch.empty(world, dtype=torch.int64, device=device)
             self._rank_index = torch.arange(world, dtype=torch.int64, device=device)
-        # A call allocates nothing, never waits on the host and takes its slot on the host,
-        # so it can be captured wherever its collective can: NCCL's (CUDA-graph capturable),
-        # or none at W = 1.  gloo's all-to-all runs on the host.
-        self.graph_capturable = device.type == "cuda" and (
-            world == 1 or dist.get_backend(group) == dist.Backend.NCCL)
+        self.graph_capturable = nccl_graph_capturable(group, device)
 
     def run(self, call: CallInputs, out: list[torch.Tensor] | None,
             projection: torch.Tensor | None = None) -> tuple[list[torch.Tensor], int | None]:
@@ -98,8 +105,9 @@ class NcclExchange:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the ring and of the send and receive buffers."""
-        staging = 2 * self._send.nbytes if self._plan.world_size > 1 else 0
+        """Bytes of the ring, the send and receive buffers (counted in each holder) and the
+        producer's workspace."""
+        staging = 2 * self._send.nbytes if self._staging is not None else 0
         return self.slots.nbytes + staging + self._producer.nbytes
 
     def _produce(self, call: CallInputs, dest: DestLayout, table: torch.Tensor,
@@ -123,6 +131,8 @@ class NcclExchange:
         self._bad_positions.check()
 
     def close(self) -> None:
-        """Nothing collective to release (the buffers are ordinary device memory); drops the
-        reference to the process group."""
-        self._group = None
+        """Drop the hold on the staging buffers and the reference to the process group
+        (nothing collective: the buffers are ordinary device memory)."""
+        if self._staging is not None:
+            release_shared(self._staging)
+        self._staging = self._group = None

@@ -277,14 +277,18 @@ class DualStreamUlyssesAttention(nn.Module):
         super().__init__()
         self._group = resolve_group(group)
         stream = dict(group=group, max_tokens=max_tokens, **layer_options)
+        pool = stream.pop("slot_pool", "default")
         self.image = _stream_layer(attn, stacked_projections((attn.to_q, attn.to_k, attn.to_v)),
-                                   (attn.norm_q, attn.norm_k), attn.to_out[0], **stream)
+                                   (attn.norm_q, attn.norm_k), attn.to_out[0], slot_pool=pool,
+                                   **stream)
         # Both output steps' backwards run before the joint attention's: the text layer's
-        # d_o must not go through the slot the image layer's shares with other layers.
+        # d_o must not go through the slot the image layer's shares with other layers.  Its
+        # front end's bands are kept while the image's front end runs: another pool.
         text_qkv = stacked_projections((attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
         self.text = _stream_layer(attn, text_qkv,
                                   (attn.norm_added_q, attn.norm_added_k), attn.to_add_out,
-                                  share_backward_exchange=False, **stream)
+                                  share_backward_exchange=False,
+                                  slot_pool=None if pool is None else f"{pool} text", **stream)
         # diffusers' to_out[1] is a Dropout: applied to the image output as the processor does.
         self.dropout = attn.to_out[1]
 

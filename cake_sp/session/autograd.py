@@ -104,7 +104,7 @@ def front_end_forward(session, call: CallInputs, *, for_backward: bool
                                                             or call.k_norm_weight is not None):
         projection = torch.empty(call.rows, call.qkv_weight.shape[0], dtype=torch.float32,
                                  device=call.x2d.device)
-    views, slot = session._impl.run(call, None, projection)
+    views, slot = session.exchange(for_backward).run(call, None, projection)
     return views, slot, projection
 
 
@@ -201,7 +201,8 @@ class FrontEndFunction(torch.autograd.Function):
         views, slot, projection = front_end_forward(session, call, for_backward=True)
         # Saved, not kept on ctx: activation checkpointing drops them (and the lease with the
         # ticket) after the forward, and its recomputed forward saves its own.
-        ctx.save_for_backward(tickets.issue(lease=session._impl.slots.lease(slot)), projection)
+        lease = session.exchange(for_backward=True).slots.lease(slot)
+        ctx.save_for_backward(tickets.issue(lease=lease), projection)
         ctx.session, ctx.call = session, call
         return tuple(views)
 

@@ -13,7 +13,7 @@ implementations with one contract:
 
 The forward's exchange is the layer's own (its slots hold what autograd saves); the
 backward's two, consumed within their call, are shared by every layer of one shape
-(``shared_band_exchange``).
+(``shared_band_exchange``), as are the exchanges of calls without grad.
 
 A call is ``pending = ex.send(parts, batch=, seq_local=)``, then ``ex.wait(pending)``
 (or ``ex.wait(pending, first_row, rows)`` for each chunk of ``ex.row_chunks(rows)``: on
@@ -38,6 +38,7 @@ from cake_sp.kernels import _config
 from cake_sp.kernels.band_push import band_push, readable_in_place
 from cake_sp.layouts import BandTransfer
 from cake_sp.session.channel import NvlinkChannel
+from cake_sp.session.shared import check_not_capturing, hold_shared
 from cake_sp.session.slots import SlotLease
 
 
@@ -154,45 +155,25 @@ class NvlinkBandExchange:
         self._heap.close()
 
 
-# The backward's exchanges, one per (backend, group, transfer, capacity, device, timeout),
-# with the number of holders.  Every layer of a model with one shape shares them: a
-# backward uses its exchange within one call, and the layers' backwards run one after
-# another, in the same order on every rank.
-_SHARED: dict[tuple, list] = {}
-
-
 def shared_band_exchange(backend: str, group: dist.ProcessGroup, transfer: BandTransfer, *,
                          max_tokens: int, device: torch.device, wait_timeout_s: float,
                          what: str):
-    """A one-slot ``transfer`` exchange shared by every holder with the same arguments: built
-    (collectively) by the first, freed by the last ``release_band_exchange``."""
-    key = (backend, id(group), transfer, max_tokens, str(device), wait_timeout_s)
-    if key not in _SHARED:
-        exchange = make_band_exchange(backend, group, transfer, max_tokens=max_tokens,
-                                      num_slots=1, device=device, wait_timeout_s=wait_timeout_s,
-                                      what=what)
-        _SHARED[key] = [exchange, 0]
-    _SHARED[key][1] += 1
-    return _SHARED[key][0]
-
-
-def release_band_exchange(exchange) -> None:
-    """Drop one hold on a shared exchange; the last closes it (collective, as every rank
-    releases in the same order)."""
-    for key, entry in list(_SHARED.items()):
-        if entry[0] is exchange:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del _SHARED[key]
-                exchange.close()
-            return
-    raise ValueError(f"release_band_exchange: {exchange!r} is not a shared exchange")
+    """A one-slot ``transfer`` exchange held in common (``session.shared``) by every caller
+    with the same arguments: the layers of one shape share it for what each uses within one
+    call (a backward's exchanges, a call without grad), one after another, in the same order
+    on every rank.  Release it with ``release_shared``."""
+    key = ("band exchange", backend, id(group), transfer, max_tokens, str(device),
+           wait_timeout_s)
+    return hold_shared(key, lambda: make_band_exchange(
+        backend, group, transfer, max_tokens=max_tokens, num_slots=1, device=device,
+        wait_timeout_s=wait_timeout_s, what=what))
 
 
 def make_band_exchange(backend: str, group: dist.ProcessGroup, transfer: BandTransfer, *,
                        max_tokens: int, num_slots: int, device: torch.device,
                        wait_timeout_s: float, what: str):
     """The ``backend`` ("nvlink" or "nccl") implementation of ``transfer`` (collective)."""
+    check_not_capturing(device, what)
     if backend == "nvlink":
         from cake_sp.session.heap import NvshmemHeap
         return NvlinkBandExchange(NvshmemHeap(group, device), transfer, max_tokens=max_tokens,

@@ -92,7 +92,7 @@ def _front_end(handle: int, x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | No
     if for_backward:
         session.grad_exchange()  # built here, in a forward every rank makes alike
     _, slot, projection = front_end_forward(session, call, for_backward=for_backward)
-    slots = session._impl.slots
+    slots = session.exchange(for_backward).slots
     state = dict(lease=slots.lease(slot), projection=projection) if for_backward else {}
     return slots.buffer(slot), issue(**state)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 
 import torch
@@ -21,12 +21,13 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from cake_sp._validation import check_positive_int, check_tensor
+from cake_sp.fallback.exchange import NcclExchange, nccl_graph_capturable
 from cake_sp.kernels.norm_rope import rope_style_code
 from cake_sp.kernels.producer import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from cake_sp.layouts import GATHER_TOKENS, BandTransfer, DestLayout, HeadPlan
 from cake_sp.session import ops
 from cake_sp.session.autograd import FrontEndFunction
-from cake_sp.session.bands import release_band_exchange, shared_band_exchange
+from cake_sp.session.bands import shared_band_exchange
 from cake_sp.session.mesh import (
     Backend,
     BackendDecision,
@@ -35,6 +36,7 @@ from cake_sp.session.mesh import (
     probe_mesh,
 )
 from cake_sp.session.producer import ENGINES
+from cake_sp.session.shared import check_not_capturing, hold_shared, release_shared
 from cake_sp.session.slots import CallInputs
 
 # What local validation may raise; re-raised on every rank after the all-gather.
@@ -64,6 +66,7 @@ class SessionConfig:
     wait_timeout_s: float
     engine: str
     save_projection: bool
+    slot_pool: str | None
 
     def validate(self, world_size: int) -> HeadPlan:
         """Check every field; return the head plan.  ValueError/TypeError names the field."""
@@ -83,6 +86,9 @@ class SessionConfig:
         if not isinstance(self.save_projection, bool):
             raise TypeError(f"save_projection must be a bool, got "
                             f"{type(self.save_projection).__name__}")
+        if self.slot_pool is not None and not (isinstance(self.slot_pool, str)
+                                               and self.slot_pool):
+            raise TypeError(f"slot_pool must be None or a non-empty str, got {self.slot_pool!r}")
         for name in ("eps", "wait_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
@@ -112,7 +118,7 @@ class QkvNormRopeExchangeOverlap:
         Most rows ``B * S_local`` one call may have; buffers are sized from it once.
     num_slots : int
         Receive slots in the ring; a call's outputs stay valid for ``num_slots - 1``
-        further calls.
+        further calls (calls without grad: see ``slot_pool``).
     layout : {"bshd", "fused"}
     rope_style : {"interleaved", "neox"}
     eps : float
@@ -135,6 +141,15 @@ class QkvNormRopeExchangeOverlap:
         Under autograd, keep the projection ``x @ qkv_weight.T`` (fp32, ``rows * (Hq +
         2*Hkv) * D * 4`` bytes a call, until its backward) instead of recomputing its
         Q/K part in the backward (one GEMM).  Such calls run the cuBLAS engine.
+    slot_pool : str, optional
+        None (the default): every call goes through the session's own ring, built here.
+        A name: calls without grad go through one receive slot (and, on the NCCL path,
+        staging) held in common by every session of the same configuration and
+        ``slot_pool`` on the group, so their outputs stay valid only until the next such
+        call of any of them; the own ring is built by the first call under grad
+        (collective, like construction).  For a caller that reads each call's outputs
+        before the next (``UlyssesAttention``): a model served without grad then holds
+        one slot, not one a layer.
 
     Construction is collective: every rank of ``group`` must construct, with the
     same configuration, or every rank raises the same error.
@@ -150,10 +165,10 @@ class QkvNormRopeExchangeOverlap:
                  num_slots: int = 2, layout: str = "bshd", rope_style: str = "interleaved",
                  eps: float = 1e-6, backend: str = "auto", device: torch.device | None = None,
                  wait_timeout_s: float = 30.0, engine: str = "auto",
-                 save_projection: bool = False) -> None:
+                 save_projection: bool = False, slot_pool: str | None = None) -> None:
         self._group = resolve_group(group)
         self._closed = True
-        self._grad_exchange = None
+        self._own = self._shared = self._grad_exchange = None
         self.world_size = dist.get_world_size(self._group)
         self.rank = dist.get_rank(self._group)
         self.device = _resolve_device(device)
@@ -162,7 +177,8 @@ class QkvNormRopeExchangeOverlap:
             backend = env.backend
         self.config = SessionConfig(num_q_heads, num_kv_heads, head_dim, hidden, max_tokens,
                                     num_slots, layout, rope_style, eps, backend,
-                                    self.device.type, wait_timeout_s, engine, save_projection)
+                                    self.device.type, wait_timeout_s, engine, save_projection,
+                                    slot_pool)
         plan, error = None, None
         try:
             plan = self.config.validate(self.world_size)
@@ -175,27 +191,47 @@ class QkvNormRopeExchangeOverlap:
         self.plan: HeadPlan = plan
         self.backend: str = decision.backend.value
         self.backend_reason: str = decision.reason
-        self._impl = self._build(decision.backend)
+        # Whether a call can be captured in a CUDA graph (docs/guide.md).
+        self.graph_capturable: bool = (decision.backend is Backend.NVLINK
+                                       or nccl_graph_capturable(self._group, self.device))
+        if slot_pool is None:
+            self._own = self._build(self.config.num_slots)
         self.op_handle = ops.register(self)  # how the compiled call names this session
         self._closed = False
 
-    def _build(self, backend: Backend):
+    def _build(self, num_slots: int):
+        """The backend's exchange with a ring of ``num_slots`` (collective)."""
+        check_not_capturing(self.device, "front end's exchange")
         cfg = self.config
-        common = dict(layout=cfg.layout, max_tokens=cfg.max_tokens, num_slots=cfg.num_slots,
+        common = dict(layout=cfg.layout, max_tokens=cfg.max_tokens, num_slots=num_slots,
                       device=self.device, eps=float(cfg.eps),
                       rope_style=rope_style_code(cfg.rope_style), engine=cfg.engine)
-        if backend is Backend.NVLINK:
+        if self.backend == Backend.NVLINK.value:
             from cake_sp.session.heap import NvshmemHeap
             from cake_sp.session.nvlink import NvlinkExchange
             return NvlinkExchange(NvshmemHeap(self._group, self.device), self.plan,
                                   wait_timeout_s=float(cfg.wait_timeout_s), **common)
-        from cake_sp.fallback.exchange import NcclExchange
         return NcclExchange(self._group, self.plan, **common)
 
+    def exchange(self, for_backward: bool):
+        """The backend's exchange a call runs on (``NvlinkExchange`` or ``NcclExchange``): the
+        session's own ring for a call whose backward will run or without ``slot_pool``, else
+        the one held in common by the pool.  Built on first use (collective: every rank makes
+        the same calls)."""
+        if for_backward or self.config.slot_pool is None:
+            if self._own is None:
+                self._own = self._build(self.config.num_slots)
+            return self._own
+        if self._shared is None:
+            key = ("front end", self.backend, id(self._group), str(self.device),
+                   replace(self.config, num_slots=1))
+            self._shared = hold_shared(key, lambda: self._build(1))
+        return self._shared
+
     @property
-    def graph_capturable(self) -> bool:
-        """Whether a call can be captured in a CUDA graph (the NVLink path; see docs/guide.md)."""
-        return self._impl.graph_capturable
+    def held_exchanges(self) -> tuple:
+        """The exchanges this session holds now (its own ring, the pool's, the backward's)."""
+        return tuple(e for e in (self._own, self._shared, self._grad_exchange) if e is not None)
 
     def __call__(self, x: Tensor, qkv_weight: Tensor, q_norm_weight: Tensor | None,
                  k_norm_weight: Tensor | None, rope_cos_sin: Tensor,
@@ -245,7 +281,7 @@ class QkvNormRopeExchangeOverlap:
             self.grad_exchange()  # built here, in a forward every rank makes alike
             views = FrontEndFunction.apply(self, call, *differentiable)
         else:
-            views, _ = self._impl.run(call, out_list)
+            views, _ = self.exchange(False).run(call, out_list)
         return views[0] if self.config.layout == "fused" else tuple(views)
 
     def grad_exchange(self):
@@ -270,19 +306,20 @@ class QkvNormRopeExchangeOverlap:
         (``ValueError``)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self._impl.check()
-        if self._grad_exchange is not None:
-            self._grad_exchange.check()
+        for exchange in self.held_exchanges:
+            exchange.check()
 
     def close(self) -> None:
         """Release the session's buffers (collective on the NVLink path).  Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._impl.close()
-        if self._grad_exchange is not None:
-            release_band_exchange(self._grad_exchange)
-            self._grad_exchange = None
+        if self._own is not None:
+            self._own.close()
+        for held in (self._shared, self._grad_exchange):
+            if held is not None:
+                release_shared(held)
+        self._own = self._shared = self._grad_exchange = None
         # No reference to the process group outlives close(): a group kept alive past
         # destroy_process_group() is torn down at interpreter exit, which can abort it.
         self._group = None

@@ -279,6 +279,59 @@ def case_slot_leases_under_autograd(ctx):
     return report
 
 
+def case_front_end_pool_without_grad(ctx):
+    """Layers of one shape and pool share one front-end slot without grad (and, on the NCCL
+    path, the staging), built by the first such call; a layer builds its own only under grad,
+    and ``slot_pool=None`` keeps its own from construction.  Each result is right all the
+    same, also interleaved with the other layer's calls.  A front end's outputs survive
+    another pool's front end, and not (its slot is shared) its own pool's."""
+    hq, hkv = _heads(ctx.world_size, "gqa_split")
+    options = dict(qkv_bias=True, o_bias=True, qk_norm=True)
+    problems = [make_layer_problem(70 + i, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
+                                   num_kv_heads=hkv, head_dim=HEAD_DIM, batch=2, seq_local=9,
+                                   **options) for i in range(2)]
+    wants = [reference_layer(p, num_q_heads=hq, num_kv_heads=hkv, rope_style="neox",
+                             causal=True) for p in problems]
+    r, dev = ctx.rank, ctx.device
+    xs = [p.xs[r].to(dev) for p in problems]
+    tables = [p.tables[r].to(dev) for p in problems]
+    report = {"errors": {}}
+    layers = [_build(ctx, hq, hkv, **options), _build(ctx, hq, hkv, **options),
+              _build(ctx, hq, hkv, slot_pool="other", **options),
+              _build(ctx, hq, hkv, slot_pool=None, **options)]
+    pooled, other_pool, own = layers[:2], layers[2], layers[3]
+    try:
+        for layer, problem in zip(layers, problems * 2):
+            _load(layer, problem.params)
+        report["none_before_a_call"] = all(layer.buffer_bytes == 0 for layer in layers[:3])
+        report["own_from_construction"] = len(own.session.held_exchanges) == 1
+        with torch.no_grad():
+            ys = [pooled[i](xs[i], tables[i]) for i in (0, 1, 0)]
+        for name, i, y in (("y0", 0, ys[0]), ("y1", 1, ys[1]), ("y0_again", 0, ys[2])):
+            report["errors"][name] = relative_error(y, wants[i][0][r])
+        held = [layer.session.held_exchanges for layer in pooled]
+        report["one_shared_slot"] = (len(held[0]) == len(held[1]) == 1
+                                     and held[0][0] is held[1][0])
+        x = xs[0].clone().requires_grad_(True)
+        y = pooled[0](x, tables[0])
+        y.backward(problems[0].dys[r].to(dev))
+        report["errors"]["y_grad"] = relative_error(y, wants[0][0][r])
+        report["errors"]["dx"] = relative_error(x.grad, wants[0][1]["x"][r])
+        mine, shared, _ = pooled[0].session.held_exchanges  # own ring, pool's, backward's
+        report["own_under_grad"] = shared is held[0][0] and mine is not shared
+        with torch.no_grad():
+            first = pooled[0].front_end(xs[0], tables[0])
+            kept = [t.clone() for t in first]
+            other_pool.front_end(xs[1], tables[1])
+            report["other_pool_kept"] = all(map(torch.equal, first, kept))
+            pooled[1].front_end(xs[1], tables[1])
+            report["own_pool_overwrites"] = not all(map(torch.equal, first, kept))
+    finally:
+        for layer in layers:
+            layer.close()
+    return report
+
+
 def _compiled_steps(ctx, model, problem, shape_dy, backends, steps=3):
     """``model`` eager, then compiled ``fullgraph=True`` with each backend, ``steps`` forward +
     backward steps each (more than the layer's slots: a lease left behind would raise);
@@ -452,6 +505,8 @@ def case_checkpoint_and_inference(ctx):
             _load(other, problem.params)
             x.grad = None
             other(x, table).backward(problem.dys[r].to(dev))
+            with torch.no_grad():
+                other(x, table)
             report["backward_shared"] = (other._scatter is layer._scatter and
                                          other.session.grad_exchange() is
                                          layer.session.grad_exchange() and
@@ -516,6 +571,9 @@ def case_bad_arguments_raise_everywhere(ctx):
             ValueError, "attention_backend must be one of"),
         "heads": expect_error(lambda: UlyssesAttention(HIDDEN, w + 1, 1, HEAD_DIM, **base),
                                ValueError, "divisible by the world size"),
+        "slot_pool": expect_error(lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base,
+                                                            slot_pool=""),
+                                   TypeError, "slot_pool must be None or a non-empty str"),
         # Only rank 0 differs: every rank must still raise, none may hang.
         "mismatch": expect_error(
             lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base, causal=ctx.rank != 0),
@@ -591,6 +649,11 @@ def case_gpu_real_shape(ctx):
                 "errors": _errors(ctx, y, dx, grads, want_y, want_grads)}
 
 
+def _capture(call) -> None:
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        call()
+
+
 def case_gpu_graph_capture_and_back_to_back(ctx):
     """A no-grad layer call captured in a CUDA graph and replayed with fresh inputs between
     eager calls (each equal to the eager result), then BACK_TO_BACK_CALLS calls of varying
@@ -606,6 +669,12 @@ def case_gpu_graph_capture_and_back_to_back(ctx):
                                       qkv_bias=True, o_bias=True, qk_norm=True) for s in sizes}
     for p in problems.values():
         p.params = problems[sizes[0]].params
+    # The exchanges are built by the first call needing them: a capture before any call
+    # raises (on every rank) instead of allocating inside the graph.
+    with _build(ctx, hq, hkv, max_tokens=256) as fresh, torch.no_grad():
+        x, table = problems[64].xs[r].to(dev), problems[64].tables[r].to(dev)
+        report["capture_first"] = expect_error(lambda: _capture(lambda: fresh(x, table)),
+                                               RuntimeError, "before capturing")
     with _build(ctx, hq, hkv, max_tokens=256, qkv_bias=True, o_bias=True) as layer:
         _load(layer, problems[sizes[0]].params)
         report["graph_capturable"] = layer.session.graph_capturable
@@ -654,7 +723,7 @@ CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no
          case_key_mask_bidirectional_kept_keys, case_key_mask_causal_padded_rows,
          case_key_mask_noncausal_compiled,
          case_key_mask_causal_compiled,
-         case_slot_leases_under_autograd,
+         case_slot_leases_under_autograd, case_front_end_pool_without_grad,
          case_torch_compile_fullgraph, case_checkpoint_and_inference,
          case_bad_arguments_raise_everywhere, case_fsdp2_on_a_2d_mesh, case_gpu_real_shape,
          case_gpu_graph_capture_and_back_to_back]
@@ -681,6 +750,16 @@ def _check_leases(world, name, per_rank) -> str:
     for report in per_rank:
         assert "num_slots=2" in report["third_forward"], report["third_forward"]
     return "a third forward raised on every rank; " + summary
+
+
+def _check_front_end_pool(world, name, per_rank) -> str:
+    summary = worst_errors_within(world, name, per_rank, forward="y",
+                                  forward_rtol=FORWARD_RTOL, grad_rtol=GRAD_RTOL)
+    flags = ("none_before_a_call", "own_from_construction", "one_shared_slot",
+             "own_under_grad", "other_pool_kept", "own_pool_overwrites")
+    for report in per_rank:
+        assert all(report[flag] for flag in flags), report
+    return "one front-end slot for the pool without grad, own slots under grad; " + summary
 
 
 def _check_checkpoint(world, name, per_rank) -> str:
@@ -732,6 +811,7 @@ def _check_bad_arguments(world, name, per_rank) -> str:
 CHECKS = {
     **{case.__name__: _check_errors for case in REFERENCE_CASES},
     case_slot_leases_under_autograd.__name__: _check_leases,
+    case_front_end_pool_without_grad.__name__: _check_front_end_pool,
     case_checkpoint_and_inference.__name__: _check_checkpoint,
     case_torch_compile_fullgraph.__name__: _check_compile,
     case_bad_arguments_raise_everywhere.__name__: _check_bad_arguments,
