@@ -1,7 +1,7 @@
 """``apply_ulysses(model)``: Ulysses sequence parallelism for the attention of FLUX, FLUX.2,
-Qwen-Image, Wan and LTX-Video blocks (the last two in ``diffusers_video``: their
-self-attentions' processors over ``UlyssesAttentionCore``, their tokens sharded inside the
-model).
+Qwen-Image, Wan, LTX-Video and HunyuanVideo blocks (the last three in ``diffusers_video``:
+their self-attentions' processors over ``UlyssesAttentionCore``, their tokens sharded inside
+the model).
 
 * The ``FluxAttention`` of every ``FluxSingleTransformerBlock`` becomes
   ``FluxUlyssesAttention``: a ``UlyssesAttention`` without o_proj (the block's
@@ -444,8 +444,13 @@ def _replacements() -> tuple[dict[type, type], tuple[type, ...]]:
 
 
 def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -> bool:
-    """``apply_ulysses`` of a Wan or LTX-Video transformer or block (``diffusers_video``);
-    False for any other model."""
+    """``apply_ulysses`` of a Wan, LTX-Video or HunyuanVideo transformer or block
+    (``diffusers_video``); False for any other model."""
+    from diffusers.models.transformers.transformer_hunyuan_video import (
+        HunyuanVideoSingleTransformerBlock,
+        HunyuanVideoTransformer3DModel,
+        HunyuanVideoTransformerBlock,
+    )
     from diffusers.models.transformers.transformer_ltx import (
         LTXVideoTransformer3DModel,
         LTXVideoTransformerBlock,
@@ -456,24 +461,36 @@ def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -
     )
 
     from cake_sp.integrations.diffusers_video import (
+        HunyuanVideoUlyssesAttnProcessor,
         LTXUlyssesAttnProcessor,
         WanUlyssesAttnProcessor,
         shard_tokens,
     )
 
-    kinds = {WanTransformerBlock: (WanTransformer3DModel, WanUlyssesAttnProcessor),
-             LTXVideoTransformerBlock: (LTXVideoTransformer3DModel, LTXUlyssesAttnProcessor)}
-    for block_class, (model_class, processor) in kinds.items():
-        if isinstance(model, (model_class, block_class)):
-            for block in [m for m in model.modules() if isinstance(m, block_class)]:
-                block.attn1.set_processor(processor(block.attn1, group=group,
-                                                    max_tokens=max_tokens, **core_options))
+    # transformer class: (its blocks' classes, the attention's name in them, its processor)
+    kinds = {WanTransformer3DModel: ((WanTransformerBlock,), "attn1", WanUlyssesAttnProcessor),
+             LTXVideoTransformer3DModel: ((LTXVideoTransformerBlock,), "attn1",
+                                          LTXUlyssesAttnProcessor),
+             HunyuanVideoTransformer3DModel: ((HunyuanVideoTransformerBlock,
+                                               HunyuanVideoSingleTransformerBlock), "attn",
+                                              HunyuanVideoUlyssesAttnProcessor)}
+    for model_class, (block_classes, name, processor) in kinds.items():
+        if isinstance(model, (model_class, *block_classes)):
+            if getattr(getattr(model, "config", None), "image_condition_type", None) == \
+                    "token_replace":
+                raise ValueError("apply_ulysses: a HunyuanVideoTransformer3DModel with "
+                                 "image_condition_type='token_replace' is not supported (its "
+                                 "first frame's tokens are conditioned apart)")
+            for block in [m for m in model.modules() if isinstance(m, block_classes)]:
+                attn = getattr(block, name)
+                attn.set_processor(processor(attn, group=group, max_tokens=max_tokens,
+                                             **core_options))
             if isinstance(model, model_class):
                 shard_tokens(model, group)
             return True
-        if any(isinstance(m, block_class) for m in model.modules()):
+        if any(isinstance(m, block_classes) for m in model.modules()):
             raise ValueError(f"apply_ulysses: {type(model).__name__} is not supported; of its "
-                             f"family, a {model_class.__name__} or a {block_class.__name__} is")
+                             f"family, a {model_class.__name__} or one of its blocks is")
     return False
 
 
@@ -485,17 +502,21 @@ def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_opti
     ``QwenImageTransformer2DModel`` also gets its ``pos_embed`` hooked, so that each rank's
     blocks receive its rows of the whole sequence's frequencies.
 
-    A ``WanTransformer3DModel`` or ``LTXVideoTransformer3DModel``, or one of their blocks: the
-    processor of every block's self-attention becomes a ``WanUlyssesAttnProcessor`` or
-    ``LTXUlyssesAttnProcessor`` (``diffusers_video``; its ``UlyssesAttentionCore`` takes
-    ``layer_options`` of the core's), and a whole transformer gets hooks that shard its tokens
-    inside, so that every rank calls it with the whole inputs and gets the whole output.
+    A ``WanTransformer3DModel``, ``LTXVideoTransformer3DModel`` or
+    ``HunyuanVideoTransformer3DModel``, or one of their blocks: the processor of every block's
+    self-attention becomes a ``WanUlyssesAttnProcessor``, ``LTXUlyssesAttnProcessor`` or
+    ``HunyuanVideoUlyssesAttnProcessor`` (``diffusers_video``; its ``UlyssesAttentionCore``
+    takes ``layer_options`` of the core's), and a whole transformer gets hooks that shard its
+    video tokens inside, so that every rank calls it with the whole inputs and gets the whole
+    output.
 
     ``max_tokens``: most rows ``B * S_local`` one call may have on a rank (of each stream,
-    in a dual-stream block).  Raises ``ValueError``, before replacing anything, for a FLUX
-    attention outside those blocks, when there is none of them, for an attention with
-    unmerged LoRA adapters (``check_adapters_merged``) and for a Qwen-Image transformer with
-    ``zero_cond_t`` (its per-token modulation covers the whole image).
+    in a dual-stream block; for HunyuanVideo the rank's video tokens and the whole text).
+    Raises ``ValueError``, before replacing anything, for a FLUX attention outside those
+    blocks, when there is none of them, for an attention with unmerged LoRA adapters
+    (``check_adapters_merged``), for a Qwen-Image transformer with ``zero_cond_t`` (its
+    per-token modulation covers the whole image) and for a HunyuanVideo transformer with
+    ``image_condition_type="token_replace"``.
     """
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 

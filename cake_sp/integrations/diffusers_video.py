@@ -1,26 +1,32 @@
-"""Wan (``WanTransformer3DModel``: Wan 2.1 and 2.2) and LTX-Video
-(``LTXVideoTransformer3DModel``) under Ulysses sequence parallelism, for
+"""Wan (``WanTransformer3DModel``: Wan 2.1 and 2.2), LTX-Video (``LTXVideoTransformer3DModel``)
+and HunyuanVideo (``HunyuanVideoTransformer3DModel``) under Ulysses sequence parallelism, for
 ``cake_sp.integrations.diffusers.apply_ulysses``.
 
-Both normalise Q and K over all heads at once (``qk_norm="rms_norm_across_heads"``), which
-the layer's producer, a norm per head, does not compute.  So the drop-in keeps the model's
-own front end and runs the rest on ``UlyssesAttentionCore``:
+Wan and LTX normalise Q and K over all heads at once (``qk_norm="rms_norm_across_heads"``),
+which the layer's producer, a norm per head, does not compute; HunyuanVideo rotates its video
+tokens and not its text.  So the drop-in keeps the model's own front end and runs the rest on
+``UlyssesAttentionCore``:
 
-* the ``processor`` of every block's self-attention (``attn1``) becomes a
-  ``WanUlyssesAttnProcessor`` or ``LTXUlyssesAttnProcessor``: the model's projections, norms
-  and RoPE on this rank's tokens, then the core's exchange and attention over the whole
-  sequence, then the model's ``to_out``.  The weights stay where they are (LoRA adapters on
-  them keep working); the cross-attention (``attn2``: this rank's tokens over the whole text)
-  needs no exchange and is unchanged;
+* the ``processor`` of every block's self-attention (Wan's and LTX's ``attn1``, both
+  HunyuanVideo blocks' ``attn``) becomes a ``WanUlyssesAttnProcessor``,
+  ``LTXUlyssesAttnProcessor`` or ``HunyuanVideoUlyssesAttnProcessor``: the model's
+  projections, norms and RoPE on this rank's tokens, then the core's exchange and attention
+  over the whole sequence, then the model's output projections.  The weights stay where they
+  are (LoRA adapters on them keep working); the cross-attention (``attn2``: this rank's tokens
+  over the whole text) needs no exchange and is unchanged;
+* HunyuanVideo's joint attention adds its text to every rank's tokens: each rank holds the
+  whole text (its text stream runs on every rank alike), and the attention keeps rank 0's text
+  keys only, so each text key counts once, with the text's padding masked;
 * a whole transformer is called with the whole inputs on every rank, as its pipelines call
   it, and returns the whole output on every rank: hooks placed where diffusers' own
-  context-parallel plans place them give each rank its share of the tokens (Wan: after the
-  patch embedding; LTX: its input tokens), of their RoPE rows and of a per-token timestep,
-  and all-gather ``proj_out``'s output.  The tokens must split evenly.
+  context-parallel plans place them give each rank its share of the video tokens (Wan and
+  HunyuanVideo: after the patch embedding; LTX: its input tokens), of their RoPE rows and of
+  a per-token timestep, and all-gather ``proj_out``'s output.  The tokens must split evenly.
 
 Training: every rank computes the same loss of the whole output and runs the backward; the
 gather hands each rank its own tokens' gradient, so each parameter's gradient is this rank's
-tokens' share, and a sum over the group (``dist.all_reduce``) gives the whole gradient.
+tokens' share, and a sum over the group (``dist.all_reduce``) gives the whole gradient
+(HunyuanVideo's text path: rank 0's, whose keys are the ones kept).
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_rotate
 from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 from torch import Tensor, nn
 
+from cake_sp._memo import LastInputs
 from cake_sp.core import UlyssesAttentionCore
 from cake_sp.integrations import gather_tokens
 from cake_sp.session.overlap import resolve_group
@@ -49,10 +57,10 @@ def _wan_rotate(x: Tensor, freqs_cos: Tensor, freqs_sin: Tensor) -> Tensor:
 
 
 class CoreAttnProcessor(nn.Module):
-    """The processor of a self-attention (``attn1``) on this rank's tokens over
-    ``UlyssesAttentionCore``; subclasses compute the model's ``q, k, v``.  A module, so that it
-    is the attention's submodule ``processor`` and ``close(model)`` finds its core; it holds
-    no parameters (the attention's stay where they were)."""
+    """The processor of a self-attention on this rank's tokens over ``UlyssesAttentionCore``
+    (``self.core``).  A module, so that it is the attention's submodule ``processor`` and
+    ``close(model)`` finds its core; it holds no parameters (the attention's stay where they
+    were)."""
 
     def __init__(self, attn: nn.Module, *, group=None, max_tokens: int, **core_options) -> None:
         super().__init__()
@@ -64,6 +72,11 @@ class CoreAttnProcessor(nn.Module):
         options.update(core_options)
         self.core = UlyssesAttentionCore(attn.heads, attn.to_k.out_features // head_dim,
                                          head_dim, causal=False, **options)
+
+
+class SelfAttnProcessor(CoreAttnProcessor):
+    """A self-attention of the video tokens alone (``attn1``); subclasses compute the model's
+    ``q, k, v``."""
 
     def forward(self, attn: nn.Module, hidden_states: Tensor,
                 encoder_hidden_states: Tensor | None = None,
@@ -85,7 +98,7 @@ class CoreAttnProcessor(nn.Module):
         raise NotImplementedError
 
 
-class WanUlyssesAttnProcessor(CoreAttnProcessor):
+class WanUlyssesAttnProcessor(SelfAttnProcessor):
     """Wan's self-attention: projections (fused or not), norms over all heads, then RoPE on
     the heads."""
 
@@ -98,7 +111,7 @@ class WanUlyssesAttnProcessor(CoreAttnProcessor):
         return q, k, v
 
 
-class LTXUlyssesAttnProcessor(CoreAttnProcessor):
+class LTXUlyssesAttnProcessor(SelfAttnProcessor):
     """LTX-Video's self-attention: projections, norms over all heads, RoPE over all heads'
     channels at once (``[B, S, H * D]``), then the split into heads."""
 
@@ -108,6 +121,86 @@ class LTXUlyssesAttnProcessor(CoreAttnProcessor):
         if rotary_emb is not None:
             q, k = ltx_rotate(q, rotary_emb), ltx_rotate(k, rotary_emb)
         return tuple(t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
+
+
+_TEXT_KEYS = LastInputs()
+
+
+class HunyuanVideoUlyssesAttnProcessor(CoreAttnProcessor):
+    """HunyuanVideo's joint attention (``HunyuanVideoTransformerBlock.attn``, with its own text
+    projections, and ``HunyuanVideoSingleTransformerBlock.attn``, one projection for both, no
+    output projection): this rank's video tokens and the whole text, the video's Q and K
+    rotated, over ``UlyssesAttentionCore`` with rank 0's text alone kept as keys."""
+
+    def __call__(self, attn: nn.Module, hidden_states: Tensor,
+                 encoder_hidden_states: Tensor | None = None,
+                 attention_mask: Tensor | None = None,
+                 image_rotary_emb: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        # diffusers' ``Attention`` passes a processor only the keywords its ``__call__`` names
+        # (``nn.Module.__call__`` names none), so this one names ``forward``'s.
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                image_rotary_emb)
+
+    def forward(self, attn: nn.Module, hidden_states: Tensor,
+                encoder_hidden_states: Tensor | None = None,
+                attention_mask: Tensor | None = None,
+                image_rotary_emb: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """``(video out [B, I_local, dim], text out [B, T, dim])`` for this rank's video tokens
+        ``hidden_states [B, I_local, dim]`` and the whole text ``encoder_hidden_states [B, T,
+        dim]``; ``attention_mask``: the model's bool ``[B, 1, 1, I + T]`` (its last ``T``
+        entries the text's padding) or None; ``image_rotary_emb``: this rank's video rows."""
+        if encoder_hidden_states is None:
+            raise ValueError(f"{type(self).__name__}: needs encoder_hidden_states (the text)")
+        video, text = hidden_states.shape[1], encoder_hidden_states.shape[1]
+        if attn.add_q_proj is None:  # a single-stream block: one projection for both
+            joint = torch.cat((hidden_states, encoder_hidden_states), dim=1)
+            q, k, v = self._heads(attn, joint, (attn.to_q, attn.to_k, attn.to_v),
+                                  (attn.norm_q, attn.norm_k))
+        else:
+            q, k, v = (torch.cat(pair, dim=1) for pair in zip(
+                self._heads(attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v),
+                            (attn.norm_q, attn.norm_k)),
+                self._heads(attn, encoder_hidden_states,
+                            (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
+                            (attn.norm_added_q, attn.norm_added_k))))
+        if image_rotary_emb is not None:
+            q, k = (torch.cat((apply_rotary_emb(t[:, :video], image_rotary_emb, sequence_dim=1),
+                               t[:, video:]), dim=1) for t in (q, k))
+        o = self.core(q, k, v, key_mask=self._key_mask(attention_mask, q.shape[0], video,
+                                                       text, q.device))
+        o_video, o_text = o.flatten(2, 3).type_as(q).split((video, text), dim=1)
+        if getattr(attn, "to_out", None) is not None:
+            o_video = attn.to_out[1](attn.to_out[0](o_video))
+        if getattr(attn, "to_add_out", None) is not None:
+            o_text = attn.to_add_out(o_text)
+        return o_video, o_text
+
+    @staticmethod
+    def _heads(attn: nn.Module, tokens: Tensor, projections: tuple, norms: tuple
+               ) -> tuple[Tensor, Tensor, Tensor]:
+        """``q, k, v [B, S, H, D]`` of ``tokens``, Q and K normalised per head."""
+        q, k, v = (p(tokens).unflatten(2, (attn.heads, -1)) for p in projections)
+        return (q if norms[0] is None else norms[0](q),
+                k if norms[1] is None else norms[1](k), v)
+
+    def _key_mask(self, attention_mask: Tensor | None, batch: int, video: int, text: int,
+                  device: torch.device) -> Tensor | None:
+        """bool ``[B, W * (I_local + T)]`` over the core's sequence (each rank's video tokens,
+        then its copy of the text): every video key, and rank 0's text keys the model's mask
+        keeps; None with one rank and no mask.  Built once per transformer forward (every
+        block gets the same mask tensor), with no host read."""
+        world = self.core.plan.world_size
+        if world == 1 and attention_mask is None:
+            return None
+
+        def build():
+            keys = torch.zeros(batch, world, video + text, dtype=torch.bool, device=device)
+            keys[:, :, :video] = True
+            keys[:, 0, video:] = (True if attention_mask is None else
+                                  attention_mask.reshape(batch, -1)[:, -text:].bool())
+            return keys.flatten(1)
+        tensors = () if attention_mask is None else (attention_mask,)
+        return _TEXT_KEYS.get(tensors, (batch, world, video, text, device), build)
 
 
 def _input_hook(split: dict[str, tuple[int, Callable[[Tensor], bool]]],
@@ -126,32 +219,39 @@ def _input_hook(split: dict[str, tuple[int, Callable[[Tensor], bool]]],
 
 
 def shard_tokens(model: nn.Module, group=None) -> None:
-    """Hook a ``WanTransformer3DModel`` or ``LTXVideoTransformer3DModel`` so that its blocks
-    run on this rank's tokens and its output is the whole sequence's (the module docstring);
-    ``ValueError`` from the forward where the tokens do not split evenly."""
+    """Hook a ``WanTransformer3DModel``, ``LTXVideoTransformer3DModel`` or
+    ``HunyuanVideoTransformer3DModel`` so that its blocks run on this rank's video tokens and
+    its output is the whole sequence's (the module docstring); ``ValueError`` from the forward
+    where the tokens do not split evenly."""
     resolved = resolve_group(group)
     rank, world = dist.get_rank(resolved), dist.get_world_size(resolved)
 
-    def own_rows(t: Tensor, what: str) -> Tensor:
-        if t.shape[1] % world:
-            raise ValueError(f"apply_ulysses: {what} has {t.shape[1]} tokens, not a multiple "
+    def own_rows(t: Tensor, what: str, dim: int = 1) -> Tensor:
+        if t.shape[dim] % world:
+            raise ValueError(f"apply_ulysses: {what} has {t.shape[dim]} tokens, not a multiple "
                              f"of the world size {world}")
-        rows = t.shape[1] // world
-        return t.narrow(1, rank * rows, rows)
+        rows = t.shape[dim] // world
+        return t.narrow(dim, rank * rows, rows)
 
     def per_token(t: Tensor) -> bool:  # a timestep [B, S] (Wan 2.2 TI2V, LTX's conditioning)
         return t.ndim == 2 and t.shape[1] != 1
 
-    if type(model).__name__ == "WanTransformer3DModel":  # tokens made inside: split at block 0
+    name = type(model).__name__
+    if name == "WanTransformer3DModel":  # tokens made inside: split at block 0
         model.register_forward_pre_hook(_input_hook({"timestep": (1, per_token)}, own_rows),
                                         with_kwargs=True)
         model.blocks[0].register_forward_pre_hook(
             _input_hook({"hidden_states": (0, lambda t: True)}, own_rows), with_kwargs=True)
+    elif name == "HunyuanVideoTransformer3DModel":  # the patch embedding's tokens; the text
+        model.x_embedder.register_forward_hook(  # stays whole
+            lambda module, args, output: own_rows(output, "the video tokens"))
     else:  # LTX-Video: the tokens are its input
         model.register_forward_pre_hook(
             _input_hook({"hidden_states": (0, lambda t: True), "timestep": (2, per_token)},
                         own_rows), with_kwargs=True)
-    model.rope.register_forward_hook(
-        lambda module, args, output: tuple(own_rows(t, "the RoPE table") for t in output))
+    # HunyuanVideo's table is [I, D] (cos, sin), the others' carry a batch dimension first.
+    token_dim = 0 if name == "HunyuanVideoTransformer3DModel" else 1
+    model.rope.register_forward_hook(lambda module, args, output: tuple(
+        own_rows(t, "the RoPE table", token_dim) for t in output))
     model.proj_out.register_forward_hook(
         lambda module, args, output: gather_tokens(output, resolved))

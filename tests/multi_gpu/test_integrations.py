@@ -1028,6 +1028,44 @@ def _ltx_problem(ctx, *, per_token_timestep: bool):
     return fp32, {k: v.to(ctx.device) for k, v in inputs.items()}, extra
 
 
+HUNYUAN_CONFIG = dict(in_channels=4, out_channels=4, num_attention_heads=4,
+                      attention_head_dim=64, num_layers=2, num_single_layers=2,
+                      num_refiner_layers=1, patch_size=1, patch_size_t=1, text_embed_dim=16,
+                      pooled_projection_dim=8, rope_axes_dim=(16, 24, 24))
+
+
+def _hunyuan_problem(ctx, *, padded_text: bool = True, **config):
+    """A random fp32 HunyuanVideo transformer (two dual-stream and two single-stream blocks,
+    4 heads of 64; both kinds' attention output scaled up as above) on ``ctx.device``, and its
+    whole inputs: tokens ``[2, 4, 2, 4, 4]`` (2 frames of 4 x 4), text ``[2, 7, 16]`` with its
+    mask (rows of 5 and 7 tokens, or both whole), a timestep and a guidance scale."""
+    from diffusers.models.transformers.transformer_hunyuan_video import (
+        HunyuanVideoTransformer3DModel,
+    )
+
+    torch.manual_seed(0)
+    fp32 = HunyuanVideoTransformer3DModel(**HUNYUAN_CONFIG, **config).to(ctx.device)
+    dim = HUNYUAN_CONFIG["num_attention_heads"] * HUNYUAN_CONFIG["attention_head_dim"]
+    with torch.no_grad():
+        for block in fp32.transformer_blocks:
+            block.attn.to_out[0].weight.mul_(ATTENTION_GAIN)
+            block.attn.to_add_out.weight.mul_(ATTENTION_GAIN)
+        for block in fp32.single_transformer_blocks:  # its columns that read the attention
+            block.proj_out.weight[:, :dim].mul_(ATTENTION_GAIN)
+    g = torch.Generator().manual_seed(17)
+    batch = 2
+    inputs = dict(hidden_states=torch.randn(batch, 4, 2, 4, 4, generator=g),
+                  encoder_hidden_states=torch.randn(batch, 7, 16, generator=g),
+                  pooled_projections=torch.randn(batch, 8, generator=g))
+    mask = torch.ones(batch, 7, dtype=torch.int64)
+    if padded_text:
+        mask[0, 5:] = 0
+    extra = dict(timestep=torch.randint(0, 1000, (batch,), generator=g).float(),
+                 encoder_attention_mask=mask, guidance=torch.full((batch,), 3500.0))
+    return (fp32, {k: v.to(ctx.device) for k, v in inputs.items()},
+            {k: v.to(ctx.device) for k, v in extra.items()})
+
+
 def _check_video(ctx, problem, *, gradients: bool, lora: bool = False,
                  compiled: bool = False) -> dict:
     """A whole video transformer (``problem``: the fp32 model, its inputs to cast to the
@@ -1121,6 +1159,22 @@ def case_ltx_transformer_gradients(ctx):
 def case_ltx_transformer_compiled_blocks(ctx):
     return _check_video(ctx, _ltx_problem(ctx, per_token_timestep=False), gradients=True,
                         compiled=True)
+
+
+def case_hunyuan_video_transformer(ctx):
+    return _check_video(ctx, _hunyuan_problem(ctx), gradients=False)
+
+
+def case_hunyuan_video_transformer_whole_text(ctx):
+    return _check_video(ctx, _hunyuan_problem(ctx, padded_text=False), gradients=False)
+
+
+def case_hunyuan_video_transformer_gradients(ctx):
+    return _check_video(ctx, _hunyuan_problem(ctx), gradients=True)
+
+
+def case_hunyuan_video_transformer_compiled_blocks(ctx):
+    return _check_video(ctx, _hunyuan_problem(ctx), gradients=True, compiled=True)
 
 
 def case_wan_i2v_transformer(ctx):
@@ -1220,6 +1274,9 @@ def case_flux_bad_inputs_raise(ctx):
                                                         inputs["encoder_hidden_states"]),
                                     inputs["hidden_states"][:, :, :1, :6, :6])
     close(wan)
+    report["hunyuan token_replace"] = _refusal(
+        apply_ulysses, _hunyuan_problem(ctx, image_condition_type="token_replace")[0],
+        max_tokens=8)
     return report
 
 
@@ -1338,7 +1395,10 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_wan_i2v_transformer, case_wan_transformer_lora,
                 case_wan_transformer_compiled_blocks, case_ltx_transformer,
                 case_ltx_transformer_per_token_timestep, case_ltx_transformer_gradients,
-                case_ltx_transformer_compiled_blocks]
+                case_ltx_transformer_compiled_blocks, case_hunyuan_video_transformer,
+                case_hunyuan_video_transformer_whole_text,
+                case_hunyuan_video_transformer_gradients,
+                case_hunyuan_video_transformer_compiled_blocks]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
@@ -1399,9 +1459,11 @@ def _check_flux_bad_inputs(world, name, per_rank) -> str:
         assert "['attn.to_v'] carry adapters (LoRA) not merged" in r["lora"], r["lora"]
         assert "WanVACETransformer3DModel is not supported" in r["wan vace"], r["wan vace"]
         assert "has 9 tokens, not a multiple of the world size" in r["wan tokens"], r
+        assert "image_condition_type='token_replace' is not supported" in \
+            r["hunyuan token_replace"], r
     return ("whole-sequence tables, missing text tokens, a whole text's mask and models "
             "without supported blocks, with an unmerged LoRA or with zero_cond_t, a Wan VACE "
-            "model and Wan tokens that do not split raised")
+            "model, Wan tokens that do not split and a token-replace HunyuanVideo raised")
 
 
 def _curve_distance(a: list[float], b: list[float]) -> float:
