@@ -1,7 +1,7 @@
 """``apply_ulysses(model)``: Ulysses sequence parallelism for the attention of FLUX, FLUX.2,
-Qwen-Image, Wan, LTX-Video and HunyuanVideo blocks (the last three in ``diffusers_video``:
-their self-attentions' processors over ``UlyssesAttentionCore``, their tokens sharded inside
-the model).
+Qwen-Image, Wan, LTX-Video, HunyuanVideo and CogVideoX blocks (the last four in
+``diffusers_video``: their self-attentions' processors over ``UlyssesAttentionCore``, their
+tokens sharded inside the model).
 
 * The ``FluxAttention`` of every ``FluxSingleTransformerBlock`` becomes
   ``FluxUlyssesAttention``: a ``UlyssesAttention`` without o_proj (the block's
@@ -444,8 +444,12 @@ def _replacements() -> tuple[dict[type, type], tuple[type, ...]]:
 
 
 def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -> bool:
-    """``apply_ulysses`` of a Wan, LTX-Video or HunyuanVideo transformer or block
+    """``apply_ulysses`` of a Wan, LTX-Video, HunyuanVideo or CogVideoX transformer or block
     (``diffusers_video``); False for any other model."""
+    from diffusers.models.transformers.cogvideox_transformer_3d import (
+        CogVideoXBlock,
+        CogVideoXTransformer3DModel,
+    )
     from diffusers.models.transformers.transformer_hunyuan_video import (
         HunyuanVideoSingleTransformerBlock,
         HunyuanVideoTransformer3DModel,
@@ -461,7 +465,7 @@ def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -
     )
 
     from cake_sp.integrations.diffusers_video import (
-        HunyuanVideoUlyssesAttnProcessor,
+        JointTextAttnProcessor,
         LTXUlyssesAttnProcessor,
         WanUlyssesAttnProcessor,
         shard_tokens,
@@ -473,7 +477,8 @@ def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -
                                           LTXUlyssesAttnProcessor),
              HunyuanVideoTransformer3DModel: ((HunyuanVideoTransformerBlock,
                                                HunyuanVideoSingleTransformerBlock), "attn",
-                                              HunyuanVideoUlyssesAttnProcessor)}
+                                              JointTextAttnProcessor),
+             CogVideoXTransformer3DModel: ((CogVideoXBlock,), "attn1", JointTextAttnProcessor)}
     for model_class, (block_classes, name, processor) in kinds.items():
         if isinstance(model, (model_class, *block_classes)):
             if getattr(getattr(model, "config", None), "image_condition_type", None) == \
@@ -502,16 +507,18 @@ def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_opti
     ``QwenImageTransformer2DModel`` also gets its ``pos_embed`` hooked, so that each rank's
     blocks receive its rows of the whole sequence's frequencies.
 
-    A ``WanTransformer3DModel``, ``LTXVideoTransformer3DModel`` or
-    ``HunyuanVideoTransformer3DModel``, or one of their blocks: the processor of every block's
-    self-attention becomes a ``WanUlyssesAttnProcessor``, ``LTXUlyssesAttnProcessor`` or
-    ``HunyuanVideoUlyssesAttnProcessor`` (``diffusers_video``; its ``UlyssesAttentionCore``
+    A ``WanTransformer3DModel``, ``LTXVideoTransformer3DModel``,
+    ``HunyuanVideoTransformer3DModel`` or ``CogVideoXTransformer3DModel``, or one of their
+    blocks: the processor of every block's self-attention becomes a
+    ``WanUlyssesAttnProcessor``, ``LTXUlyssesAttnProcessor`` or ``JointTextAttnProcessor``
+    (``diffusers_video``; its ``UlyssesAttentionCore``
     takes ``layer_options`` of the core's), and a whole transformer gets hooks that shard its
     video tokens inside, so that every rank calls it with the whole inputs and gets the whole
     output.
 
     ``max_tokens``: most rows ``B * S_local`` one call may have on a rank (of each stream,
-    in a dual-stream block; for HunyuanVideo the rank's video tokens and the whole text).
+    in a dual-stream block; for HunyuanVideo and CogVideoX the rank's video tokens and the
+    whole text).
     Raises ``ValueError``, before replacing anything, for a FLUX attention outside those
     blocks, when there is none of them, for an attention with unmerged LoRA adapters
     (``check_adapters_merged``), for a Qwen-Image transformer with ``zero_cond_t`` (its

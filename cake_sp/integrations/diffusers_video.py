@@ -1,32 +1,33 @@
-"""Wan (``WanTransformer3DModel``: Wan 2.1 and 2.2), LTX-Video (``LTXVideoTransformer3DModel``)
-and HunyuanVideo (``HunyuanVideoTransformer3DModel``) under Ulysses sequence parallelism, for
-``cake_sp.integrations.diffusers.apply_ulysses``.
+"""Wan (``WanTransformer3DModel``: Wan 2.1 and 2.2), LTX-Video (``LTXVideoTransformer3DModel``),
+HunyuanVideo (``HunyuanVideoTransformer3DModel``) and CogVideoX (``CogVideoXTransformer3DModel``)
+under Ulysses sequence parallelism, for ``cake_sp.integrations.diffusers.apply_ulysses``.
 
 Wan and LTX normalise Q and K over all heads at once (``qk_norm="rms_norm_across_heads"``),
-which the layer's producer, a norm per head, does not compute; HunyuanVideo rotates its video
-tokens and not its text.  So the drop-in keeps the model's own front end and runs the rest on
-``UlyssesAttentionCore``:
+which the layer's producer, a norm per head, does not compute; HunyuanVideo and CogVideoX
+rotate their video tokens and not their text.  So the drop-in keeps the model's own front end
+and runs the rest on ``UlyssesAttentionCore``:
 
-* the ``processor`` of every block's self-attention (Wan's and LTX's ``attn1``, both
-  HunyuanVideo blocks' ``attn``) becomes a ``WanUlyssesAttnProcessor``,
-  ``LTXUlyssesAttnProcessor`` or ``HunyuanVideoUlyssesAttnProcessor``: the model's
+* the ``processor`` of every block's self-attention (Wan's, LTX's and CogVideoX's ``attn1``,
+  both HunyuanVideo blocks' ``attn``) becomes a ``WanUlyssesAttnProcessor``,
+  ``LTXUlyssesAttnProcessor`` or ``JointTextAttnProcessor``: the model's
   projections, norms and RoPE on this rank's tokens, then the core's exchange and attention
   over the whole sequence, then the model's output projections.  The weights stay where they
   are (LoRA adapters on them keep working); the cross-attention (``attn2``: this rank's tokens
   over the whole text) needs no exchange and is unchanged;
-* HunyuanVideo's joint attention adds its text to every rank's tokens: each rank holds the
-  whole text (its text stream runs on every rank alike), and the attention keeps rank 0's text
-  keys only, so each text key counts once, with the text's padding masked;
+* HunyuanVideo's and CogVideoX's joint attention adds the text to every rank's tokens: each
+  rank holds the whole text (its text stream runs on every rank alike), and the attention
+  keeps rank 0's text keys only, so each text key counts once, with the text's padding masked;
 * a whole transformer is called with the whole inputs on every rank, as its pipelines call
   it, and returns the whole output on every rank: hooks placed where diffusers' own
   context-parallel plans place them give each rank its share of the video tokens (Wan and
-  HunyuanVideo: after the patch embedding; LTX: its input tokens), of their RoPE rows and of
-  a per-token timestep, and all-gather ``proj_out``'s output.  The tokens must split evenly.
+  HunyuanVideo: after the patch embedding; CogVideoX: where it splits them from the text;
+  LTX: its input tokens), of their RoPE rows and of a per-token timestep, and all-gather
+  ``proj_out``'s output.  The tokens must split evenly.
 
 Training: every rank computes the same loss of the whole output and runs the backward; the
 gather hands each rank its own tokens' gradient, so each parameter's gradient is this rank's
 tokens' share, and a sum over the group (``dist.all_reduce``) gives the whole gradient
-(HunyuanVideo's text path: rank 0's, whose keys are the ones kept).
+(the text path's: rank 0's, whose keys are the ones kept).
 """
 
 from __future__ import annotations
@@ -126,11 +127,16 @@ class LTXUlyssesAttnProcessor(SelfAttnProcessor):
 _TEXT_KEYS = LastInputs()
 
 
-class HunyuanVideoUlyssesAttnProcessor(CoreAttnProcessor):
-    """HunyuanVideo's joint attention (``HunyuanVideoTransformerBlock.attn``, with its own text
-    projections, and ``HunyuanVideoSingleTransformerBlock.attn``, one projection for both, no
-    output projection): this rank's video tokens and the whole text, the video's Q and K
-    rotated, over ``UlyssesAttentionCore`` with rank 0's text alone kept as keys."""
+class JointTextAttnProcessor(CoreAttnProcessor):
+    """A joint attention of this rank's video tokens and the whole text (every rank holds it),
+    the video's Q and K rotated, over ``UlyssesAttentionCore`` with rank 0's text alone kept as
+    keys: the attention of HunyuanVideo's blocks (``HunyuanVideoTransformerBlock.attn``, with
+    text projections of its own, ``HunyuanVideoSingleTransformerBlock.attn``, one projection
+    for both and no output projection) and of CogVideoX's (``CogVideoXBlock.attn1``, one
+    projection and one ``to_out`` for both).  The text's output projection is ``to_add_out``
+    where the attention has one, else ``to_out``, as the video's.  With the keys masked
+    alike, the order of the tokens does not change the result, so the video goes first here
+    whatever the model's order."""
 
     def __call__(self, attn: nn.Module, hidden_states: Tensor,
                  encoder_hidden_states: Tensor | None = None,
@@ -147,32 +153,35 @@ class HunyuanVideoUlyssesAttnProcessor(CoreAttnProcessor):
                 image_rotary_emb: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """``(video out [B, I_local, dim], text out [B, T, dim])`` for this rank's video tokens
         ``hidden_states [B, I_local, dim]`` and the whole text ``encoder_hidden_states [B, T,
-        dim]``; ``attention_mask``: the model's bool ``[B, 1, 1, I + T]`` (its last ``T``
-        entries the text's padding) or None; ``image_rotary_emb``: this rank's video rows."""
+        dim]``; ``attention_mask``: the model's bool ``[B, 1, 1, I + T]``, its last ``T``
+        entries the text's padding (HunyuanVideo's), or None; ``image_rotary_emb``: this
+        rank's video rows."""
         if encoder_hidden_states is None:
             raise ValueError(f"{type(self).__name__}: needs encoder_hidden_states (the text)")
         video, text = hidden_states.shape[1], encoder_hidden_states.shape[1]
-        if attn.add_q_proj is None:  # a single-stream block: one projection for both
-            joint = torch.cat((hidden_states, encoder_hidden_states), dim=1)
-            q, k, v = self._heads(attn, joint, (attn.to_q, attn.to_k, attn.to_v),
-                                  (attn.norm_q, attn.norm_k))
+        own = (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
+        if getattr(attn, "add_q_proj", None) is None:  # one projection for both
+            q, k, v = self._heads(attn, torch.cat((hidden_states, encoder_hidden_states), 1),
+                                  *own)
         else:
+            added = ((attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
+                     (attn.norm_added_q, attn.norm_added_k))
             q, k, v = (torch.cat(pair, dim=1) for pair in zip(
-                self._heads(attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v),
-                            (attn.norm_q, attn.norm_k)),
-                self._heads(attn, encoder_hidden_states,
-                            (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
-                            (attn.norm_added_q, attn.norm_added_k))))
+                self._heads(attn, hidden_states, *own),
+                self._heads(attn, encoder_hidden_states, *added)))
         if image_rotary_emb is not None:
             q, k = (torch.cat((apply_rotary_emb(t[:, :video], image_rotary_emb, sequence_dim=1),
                                t[:, video:]), dim=1) for t in (q, k))
         o = self.core(q, k, v, key_mask=self._key_mask(attention_mask, q.shape[0], video,
                                                        text, q.device))
         o_video, o_text = o.flatten(2, 3).type_as(q).split((video, text), dim=1)
-        if getattr(attn, "to_out", None) is not None:
-            o_video = attn.to_out[1](attn.to_out[0](o_video))
-        if getattr(attn, "to_add_out", None) is not None:
-            o_text = attn.to_add_out(o_text)
+        to_out, to_add_out = getattr(attn, "to_out", None), getattr(attn, "to_add_out", None)
+        if to_out is not None:
+            o_video = to_out[1](to_out[0](o_video))
+        if to_add_out is not None:
+            o_text = to_add_out(o_text)
+        elif to_out is not None:
+            o_text = to_out[1](to_out[0](o_text))
         return o_video, o_text
 
     @staticmethod
@@ -194,10 +203,10 @@ class HunyuanVideoUlyssesAttnProcessor(CoreAttnProcessor):
             return None
 
         def build():
-            keys = torch.zeros(batch, world, video + text, dtype=torch.bool, device=device)
-            keys[:, :, :video] = True
-            keys[:, 0, video:] = (True if attention_mask is None else
-                                  attention_mask.reshape(batch, -1)[:, -text:].bool())
+            keys = torch.ones(batch, world, video + text, dtype=torch.bool, device=device)
+            keys[:, 1:, video:] = False
+            if attention_mask is not None:
+                keys[:, 0, video:] = attention_mask.reshape(batch, -1)[:, -text:].bool()
             return keys.flatten(1)
         tensors = () if attention_mask is None else (attention_mask,)
         return _TEXT_KEYS.get(tensors, (batch, world, video, text, device), build)
@@ -219,10 +228,10 @@ def _input_hook(split: dict[str, tuple[int, Callable[[Tensor], bool]]],
 
 
 def shard_tokens(model: nn.Module, group=None) -> None:
-    """Hook a ``WanTransformer3DModel``, ``LTXVideoTransformer3DModel`` or
-    ``HunyuanVideoTransformer3DModel`` so that its blocks run on this rank's video tokens and
-    its output is the whole sequence's (the module docstring); ``ValueError`` from the forward
-    where the tokens do not split evenly."""
+    """Hook a ``WanTransformer3DModel``, ``LTXVideoTransformer3DModel``,
+    ``HunyuanVideoTransformer3DModel`` or ``CogVideoXTransformer3DModel`` so that its blocks
+    run on this rank's video tokens and its output is the whole sequence's (the module
+    docstring); ``ValueError`` from the forward where the tokens do not split evenly."""
     resolved = resolve_group(group)
     rank, world = dist.get_rank(resolved), dist.get_world_size(resolved)
 
@@ -245,13 +254,19 @@ def shard_tokens(model: nn.Module, group=None) -> None:
     elif name == "HunyuanVideoTransformer3DModel":  # the patch embedding's tokens; the text
         model.x_embedder.register_forward_hook(  # stays whole
             lambda module, args, output: own_rows(output, "the video tokens"))
+    elif name == "CogVideoXTransformer3DModel":  # split from the text at block 0; the RoPE
+        model.transformer_blocks[0].register_forward_pre_hook(  # table is the caller's
+            _input_hook({"hidden_states": (0, lambda t: True)}, own_rows), with_kwargs=True)
+        model.register_forward_pre_hook(_input_hook(
+            {"image_rotary_emb": (5, lambda t: t is not None)},
+            lambda table, what: tuple(own_rows(t, what, 0) for t in table)), with_kwargs=True)
     else:  # LTX-Video: the tokens are its input
         model.register_forward_pre_hook(
             _input_hook({"hidden_states": (0, lambda t: True), "timestep": (2, per_token)},
                         own_rows), with_kwargs=True)
-    # HunyuanVideo's table is [I, D] (cos, sin), the others' carry a batch dimension first.
-    token_dim = 0 if name == "HunyuanVideoTransformer3DModel" else 1
-    model.rope.register_forward_hook(lambda module, args, output: tuple(
-        own_rows(t, "the RoPE table", token_dim) for t in output))
+    if hasattr(model, "rope"):  # HunyuanVideo's table is [I, D], the others' [B, I, ...]
+        token_dim = 0 if name == "HunyuanVideoTransformer3DModel" else 1
+        model.rope.register_forward_hook(lambda module, args, output: tuple(
+            own_rows(t, "the RoPE table", token_dim) for t in output))
     model.proj_out.register_forward_hook(
         lambda module, args, output: gather_tokens(output, resolved))

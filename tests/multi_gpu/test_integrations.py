@@ -1066,6 +1066,36 @@ def _hunyuan_problem(ctx, *, padded_text: bool = True, **config):
             {k: v.to(ctx.device) for k, v in extra.items()})
 
 
+def _cogvideox_problem(ctx, *, rope: bool):
+    """A random fp32 CogVideoX transformer (two blocks, 4 heads of 64; the attention's output
+    projection scaled up as above) on ``ctx.device``, with RoPE (CogVideoX 5B, 1.5: the
+    caller's table, random angles here) or fixed position embeddings (2B), and its whole
+    inputs: latents ``[2, 2, 4, 8, 8]`` (2 frames of 4 x 4 patches), text ``[2, 7, 16]``."""
+    from diffusers.models.transformers.cogvideox_transformer_3d import (
+        CogVideoXTransformer3DModel,
+    )
+
+    torch.manual_seed(0)
+    fp32 = CogVideoXTransformer3DModel(
+        num_attention_heads=4, attention_head_dim=64, in_channels=4, out_channels=4,
+        time_embed_dim=16, text_embed_dim=16, num_layers=2, sample_width=8, sample_height=8,
+        sample_frames=5, patch_size=2, temporal_compression_ratio=4, max_text_seq_length=7,
+        use_rotary_positional_embeddings=rope).to(ctx.device)
+    with torch.no_grad():
+        for block in fp32.transformer_blocks:
+            block.attn1.to_out[0].weight.mul_(ATTENTION_GAIN)
+    g = torch.Generator().manual_seed(19)
+    batch = 2
+    inputs = dict(hidden_states=torch.randn(batch, 2, 4, 8, 8, generator=g),
+                  encoder_hidden_states=torch.randn(batch, 7, 16, generator=g))
+    extra = dict(timestep=torch.randint(0, 1000, (batch,), generator=g).to(ctx.device))
+    if rope:  # the pipeline's table: [2 * 4 * 4, D], cos and sin, each angle on two channels
+        angles = 6 * torch.rand(32, 32, generator=g)
+        extra["image_rotary_emb"] = tuple(f(angles).repeat_interleave(2, -1).to(ctx.device)
+                                          for f in (torch.cos, torch.sin))
+    return fp32, {k: v.to(ctx.device) for k, v in inputs.items()}, extra
+
+
 def _check_video(ctx, problem, *, gradients: bool, lora: bool = False,
                  compiled: bool = False) -> dict:
     """A whole video transformer (``problem``: the fp32 model, its inputs to cast to the
@@ -1175,6 +1205,18 @@ def case_hunyuan_video_transformer_gradients(ctx):
 
 def case_hunyuan_video_transformer_compiled_blocks(ctx):
     return _check_video(ctx, _hunyuan_problem(ctx), gradients=True, compiled=True)
+
+
+def case_cogvideox_transformer(ctx):
+    return _check_video(ctx, _cogvideox_problem(ctx, rope=True), gradients=False)
+
+
+def case_cogvideox_transformer_position_embeddings(ctx):
+    return _check_video(ctx, _cogvideox_problem(ctx, rope=False), gradients=False)
+
+
+def case_cogvideox_transformer_gradients(ctx):
+    return _check_video(ctx, _cogvideox_problem(ctx, rope=True), gradients=True)
 
 
 def case_wan_i2v_transformer(ctx):
@@ -1398,7 +1440,9 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_ltx_transformer_compiled_blocks, case_hunyuan_video_transformer,
                 case_hunyuan_video_transformer_whole_text,
                 case_hunyuan_video_transformer_gradients,
-                case_hunyuan_video_transformer_compiled_blocks]
+                case_hunyuan_video_transformer_compiled_blocks, case_cogvideox_transformer,
+                case_cogvideox_transformer_position_embeddings,
+                case_cogvideox_transformer_gradients]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
