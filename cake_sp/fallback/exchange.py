@@ -133,6 +133,7 @@ class NcclExchange:
     def close(self) -> None:
         """Drop the hold on the staging buffers and the reference to the process group
         (nothing collective: the buffers are ordinary device memory)."""
+        self._producer.close()
         if self._staging is not None:
             release_shared(self._staging)
         self._staging = self._group = None

@@ -102,5 +102,6 @@ class NvlinkExchange:
         self._bad_positions.check()
 
     def close(self) -> None:
-        """Collective: free the symmetric buffers."""
+        """Collective: free the symmetric buffers (and drop the producer's workspace)."""
+        self._producer.close()
         self._heap.close()

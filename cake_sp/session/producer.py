@@ -10,7 +10,9 @@ Two engines compute the same contract (``kernels/producer.py``):
 named by ``_config.PRODUCER_ENGINE_OVERRIDE`` (``CAKE_SP_PRODUCER_ENGINE``).  A call
 whose projection autograd keeps (``projection=``) always runs the cuBLAS engine:
 only it materialises the projection.  Otherwise the cuBLAS engine writes the
-``Producer``'s own workspace, allocated with the session.
+``Producer``'s workspace, allocated with the session's exchange and held in common by every
+producer of its size on the device (``session.shared``): a call uses it between its GEMM and
+its epilogue only, and a device's calls run one after another on one stream.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cake_sp.kernels.producer import qkv_norm_rope_produce
 from cake_sp.kernels.producer_cublas import qkv_norm_rope_produce_cublas
 from cake_sp.kernels.signals import ProducerSignals
 from cake_sp.layouts import DestLayout, HeadPlan
+from cake_sp.session.shared import hold_shared, release_shared
 from cake_sp.session.slots import CallInputs
 
 ENGINES = ("auto", "fused", "cublas")
@@ -38,8 +41,9 @@ def _cublas_rows(engine: str, max_tokens: int, on_gpu: bool) -> int:
 
 class Producer:
     """One session's producer: the engine (``ENGINES``) chosen per call, and the cuBLAS
-    engine's fp32 projection workspace ``[rows, (Hq + 2*Hkv) * D]``, allocated once here
-    for the most rows a call may run on that engine, so that a call allocates nothing."""
+    engine's fp32 projection workspace ``[rows, (Hq + 2*Hkv) * D]`` for the most rows a call
+    may run on that engine, held here (in common, see the module docstring) so that a call
+    allocates nothing; ``close`` drops it."""
 
     def __init__(self, engine: str, plan: HeadPlan, *, max_tokens: int,
                  device: torch.device) -> None:
@@ -53,12 +57,21 @@ class Producer:
         self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                          if self._on_gpu else 0)
         rows = _cublas_rows(engine, max_tokens, self._on_gpu)
-        self.workspace = None if rows == 0 else torch.empty(
-            rows, plan.total_heads * plan.head_dim, dtype=torch.float32, device=device)
+        shape = (rows, plan.total_heads * plan.head_dim)
+        self.workspace = None if rows == 0 else hold_shared(
+            ("cublas workspace", str(device), shape),
+            lambda: torch.empty(shape, dtype=torch.float32, device=device))
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the workspace (counted in each holder)."""
         return 0 if self.workspace is None else self.workspace.nbytes
+
+    def close(self) -> None:
+        """Drop the hold on the workspace."""
+        if self.workspace is not None:
+            release_shared(self.workspace)
+        self.workspace = None
 
     def __call__(self, call: CallInputs, *, dest: DestLayout, dest_table: torch.Tensor,
                  dest_seq_offset: int, eps: float, rope_style: int,
