@@ -251,11 +251,14 @@ def shard_tokens(model: nn.Module, group=None) -> None:
                                         with_kwargs=True)
         model.blocks[0].register_forward_pre_hook(
             _input_hook({"hidden_states": (0, lambda t: True)}, own_rows), with_kwargs=True)
-    elif name == "HunyuanVideoTransformer3DModel":  # the patch embedding's tokens; the text
-        model.x_embedder.register_forward_hook(  # stays whole
+    elif name == "HunyuanVideoTransformer3DModel":
+        # The patch embedding's tokens; the text stays whole.
+        model.x_embedder.register_forward_hook(
             lambda module, args, output: own_rows(output, "the video tokens"))
-    elif name == "CogVideoXTransformer3DModel":  # split from the text at block 0; the RoPE
-        model.transformer_blocks[0].register_forward_pre_hook(  # table is the caller's
+    elif name == "CogVideoXTransformer3DModel":
+        # The video tokens once the model has split them from the text (block 0's input),
+        # and the rows of the RoPE table the caller passes.
+        model.transformer_blocks[0].register_forward_pre_hook(
             _input_hook({"hidden_states": (0, lambda t: True)}, own_rows), with_kwargs=True)
         model.register_forward_pre_hook(_input_hook(
             {"image_rotary_emb": (5, lambda t: t is not None)},
