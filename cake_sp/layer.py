@@ -102,9 +102,11 @@ class UlyssesAttention(nn.Module):
     share_backward_exchange : bool
         The backward's scatter of ``d_o`` by heads goes through one slot shared by every
         layer of the same shape on the group (the default): its result is read by this
-        layer's attention backward at once.  ``False`` gives the layer a slot of its own,
+        layer's attention backward, next.  ``False`` gives the layer a slot of its own,
         for a module that runs several layers' ``back_end`` steps on one attention (FLUX's
-        dual-stream blocks), whose backwards both finish before the attention's.
+        dual-stream blocks), whose backwards both finish before the attention's: sharing
+        there, the second raises ``SlotInUseError`` on every rank (the slot still holds
+        the first's ``d_o``, unread), and nothing is overwritten.
     device, dtype :
         Where the parameters live (the current CUDA device, or the CPU), and their dtype:
         bf16, or fp32 master weights (cast to bf16 in each forward, fp32 gradients).

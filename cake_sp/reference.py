@@ -167,6 +167,49 @@ def rope_cos_sin_table(positions: int, head_dim: int, base: float = 10000.0,
     return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
 
 
+def full_sequence_qkv(
+    xs: Sequence[Tensor],
+    qkv_weight: Tensor,
+    rope_cos_sin: Sequence[Tensor],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    qkv_bias: Tensor | None = None,
+    q_norm_weight: Tensor | None = None,
+    k_norm_weight: Tensor | None = None,
+    positions: Sequence[Tensor] | None = None,
+    rope_style: str = "neox",
+    eps: float = 1e-6,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The layer's front end on the full sequence, in ``dtype`` with no intermediate rounding:
+    ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` (``S = W * S_local``, rank order), from
+    ``ulysses_attention_layer``'s arguments of the same names.  Differentiable."""
+    def cast(t):
+        return None if t is None else t.to(dtype)
+
+    batch, seq_local, _ = xs[0].shape
+    d = qkv_weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
+    x = torch.cat([cast(t) for t in xs], dim=1)
+    p = x @ cast(qkv_weight).T
+    if qkv_bias is not None:
+        p = p + cast(qkv_bias)
+    p = p.unflatten(-1, (-1, d))
+    q, k, v = p.split((num_q_heads, num_kv_heads, num_kv_heads), dim=2)
+
+    def norm(t, w):
+        if w is None:
+            return t
+        return t * torch.rsqrt(t.pow(2).mean(dim=-1, keepdim=True) + eps) * cast(w)
+
+    cos_sin = torch.cat([cast(token_cos_sin(rope_cos_sin[r], None if positions is None
+                                             else positions[r], batch, seq_local))
+                         for r in range(len(xs))], dim=1)
+    q, k = (rope(norm(t, w), cos_sin, rope_style) for t, w in ((q, q_norm_weight),
+                                                                (k, k_norm_weight)))
+    return q, k, v
+
+
 def ulysses_attention_layer(
     xs: Sequence[Tensor],
     qkv_weight: Tensor,
@@ -201,34 +244,22 @@ def ulysses_attention_layer(
     with inputs that require grad, autograd of this function is the gradient reference.
     Returns per rank ``y [B, S_local, hidden]`` (``[B, S_local, Hq * D]`` without ``o_weight``).
     """
-    def cast(t):
-        return None if t is None else t.to(dtype)
-
-    batch, seq_local, _ = xs[0].shape
-    world = len(xs)
-    d = qkv_weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
-    x = torch.cat([cast(t) for t in xs], dim=1)
-    p = x @ cast(qkv_weight).T
-    if qkv_bias is not None:
-        p = p + cast(qkv_bias)
-    p = p.unflatten(-1, (-1, d))
-    q, k, v = p.split((num_q_heads, num_kv_heads, num_kv_heads), dim=2)
-
-    def norm(t, w):
-        if w is None:
-            return t
-        return t * torch.rsqrt(t.pow(2).mean(dim=-1, keepdim=True) + eps) * cast(w)
-
-    cos_sin = torch.cat([cast(token_cos_sin(rope_cos_sin[r], None if positions is None
-                                             else positions[r], batch, seq_local))
-                         for r in range(world)], dim=1)
-    q, k = (rope(norm(t, w), cos_sin, rope_style) for t, w in ((q, q_norm_weight),
-                                                                (k, k_norm_weight)))
+    q, k, v = full_sequence_qkv(
+        xs, qkv_weight, rope_cos_sin, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        qkv_bias=qkv_bias, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+        positions=positions, rope_style=rope_style, eps=eps, dtype=dtype)
     o = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                   key_mask=key_mask).flatten(2)
-    y = o if o_weight is None else o @ cast(o_weight).T
+    return output_projection(o, o_weight, o_bias, seq_local=xs[0].shape[1])
+
+
+def output_projection(o: Tensor, o_weight: Tensor | None, o_bias: Tensor | None, *,
+                      seq_local: int) -> list[Tensor]:
+    """The layer's back end on the full sequence: per rank ``y [B, S_local, hidden]`` from
+    ``o [B, S, Hq * D]`` (``o`` itself without ``o_weight``), in ``o``'s dtype."""
+    y = o if o_weight is None else o @ o_weight.to(o.dtype).T
     if o_bias is not None:
-        y = y + cast(o_bias)
+        y = y + o_bias.to(o.dtype)
     return list(y.split(seq_local, dim=1))
 
 

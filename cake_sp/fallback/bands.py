@@ -113,6 +113,10 @@ class NcclBandExchange:
     def lease(self, pending: PendingBands) -> SlotLease:
         return self.ring.lease(pending.slot)
 
+    def lend(self, pending: PendingBands, *, remedy: str) -> Tensor:
+        """``output(pending)``, its slot held until no view of it is alive (``SlotRing.lend``)."""
+        return self.ring.lend(pending.slot, self.output(pending), remedy=remedy)
+
     @property
     def nbytes(self) -> int:
         """Bytes of the ring and of the send and receive buffers (counted in each holder)."""

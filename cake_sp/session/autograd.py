@@ -92,20 +92,24 @@ def _front_end_grads(exchange, pending, p: Tensor | None, dp: Tensor, call: Call
 
 
 def front_end_forward(session, call: CallInputs, *, for_backward: bool
-                      ) -> tuple[list[Tensor], int, Tensor | None]:
-    """Run one session call: ``(views, slot, projection)``.
+                      ) -> tuple[list[Tensor], Tensor, SlotLease | None, Tensor | None]:
+    """Run one session call: ``(views, slot_buffer, lease, projection)``.
 
-    views: the outputs, views of receive slot ``slot``.  projection: the fp32
-    ``[rows, (Hq + 2 * Hkv) * D]`` projection kept for the backward (allocated here, owned by
-    the caller from now on) when ``for_backward`` and the session saves it, else None.
+    views: the outputs, views of the receive slot ``slot_buffer`` (the exchange's, flat);
+    lease: that slot pinned until released, when ``for_backward``, else None.  projection:
+    the fp32 ``[rows, (Hq + 2 * Hkv) * D]`` projection kept for the backward (allocated
+    here, owned by the caller from now on) when ``for_backward`` and the session saves it,
+    else None.
     """
     projection = None
     if for_backward and session.config.save_projection and (call.q_norm_weight is not None
                                                             or call.k_norm_weight is not None):
         projection = torch.empty(call.rows, call.qkv_weight.shape[0], dtype=torch.float32,
                                  device=call.x2d.device)
-    views, slot = session.exchange(for_backward).run(call, None, projection)
-    return views, slot, projection
+    exchange = session.exchange(for_backward)
+    views, slot = exchange.run(call, None, projection)
+    lease = exchange.slots.lease(slot) if for_backward else None
+    return views, exchange.slots.buffer(slot), lease, projection
 
 
 def front_end_backward(session, call: CallInputs, grads: Sequence[Tensor],
@@ -161,11 +165,18 @@ def output_projection_forward(gather, o_band: Tensor, o_weight: Tensor | None,
     return y.view(batch, seq_local, -1), o_tokens, gather.lease(pending)
 
 
+_SHARED_SCATTER_REMEDY = (
+    "A second output step's backward ran before the attention backward that reads the first "
+    "one's d_o, as when a module attends over several layers' front ends at once and calls "
+    "each layer's back_end: build those layers with share_backward_exchange=False (a slot "
+    "each).")
+
+
 def output_projection_backward(scatter, dy: Tensor, o_weight: Tensor | None, o_tokens: Tensor,
                                lease: SlotLease | None, *, weight_grad: bool, bias_grad: bool
                                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``(d_o_band, dW_o, d_bias)`` from ``dy [B, S_local, out]``: ``d_o = dy @ W_o`` scattered
-    by heads back to the band owners (``d_o_band``, a view of the scatter's slot), ``dW_o =
+    by heads back to the band owners (``d_o_band``, the scatter's slot lent: ``lend``), ``dW_o =
     dy^T @ o_tokens``; releases ``lease`` (the forward's gather slot; None when it already
     ended with its ticket).  Collective."""
     batch, seq_local = dy.shape[:2]
@@ -180,7 +191,9 @@ def output_projection_backward(scatter, dy: Tensor, o_weight: Tensor | None, o_t
     if lease is not None:
         lease.release()
     scatter.wait(pending)
-    return scatter.output(pending), dw, db
+    # Autograd, not this function, decides when d_o is read: lent, so that a second output
+    # step's backward before that read raises instead of overwriting it.
+    return scatter.lend(pending, remedy=_SHARED_SCATTER_REMEDY), dw, db
 
 
 def _lease_of(ticket: Tensor) -> SlotLease | None:
@@ -198,10 +211,9 @@ class FrontEndFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, session, call: CallInputs, x, qkv_weight, qkv_bias, q_norm_weight,
                 k_norm_weight):
-        views, slot, projection = front_end_forward(session, call, for_backward=True)
+        views, _, lease, projection = front_end_forward(session, call, for_backward=True)
         # Saved, not kept on ctx: activation checkpointing drops them (and the lease with the
         # ticket) after the forward, and its recomputed forward saves its own.
-        lease = session.exchange(for_backward=True).slots.lease(slot)
         ctx.save_for_backward(tickets.issue(lease=lease), projection)
         ctx.session, ctx.call = session, call
         return tuple(views)

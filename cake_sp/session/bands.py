@@ -12,16 +12,20 @@ implementations with one contract:
   ``all_to_all_single``, unpack into a local slot.
 
 The forward's exchange is the layer's own (its slots hold what autograd saves); the
-backward's two, consumed within their call, are shared by every layer of one shape
-(``shared_band_exchange``), as are the exchanges of calls without grad.
+backward's two are shared by every layer of one shape (``shared_band_exchange``), as
+are the exchanges of calls without grad: the gather of ``dq, dk, dv`` is copied out
+within its call, and the scatter of ``d_o`` is lent to the attention's backward.
 
 A call is ``pending = ex.send(parts, batch=, seq_local=)``, then ``ex.wait(pending)``
 (or ``ex.wait(pending, first_row, rows)`` for each chunk of ``ex.row_chunks(rows)``: on
 NVLink the consumer's first chunk starts while later rows still arrive; on NCCL there
-is one chunk), then ``ex.output(pending)``: a view of the receive slot,
-valid until the ring returns to it ``num_slots`` calls later, or for as long as
-``ex.lease(pending)`` is held.  Every rank of the group makes the same calls in the
-same order; a call allocates nothing and runs no host collective.
+is one chunk), then ``ex.output(pending)``: a view of the receive slot, valid until the
+ring returns to it ``num_slots`` calls later, or for as long as ``ex.lease(pending)`` is
+held.  ``ex.lend(pending, remedy=)`` gives the same view on a storage of its own, for a
+reader the caller does not control (a backward's gradient, read by whichever node
+autograd runs next): a later call to that slot raises ``SlotInUseError`` while a view of
+it is alive.  Every rank of the group makes the same calls in the same order; a call
+allocates nothing and runs no host collective.
 """
 
 from __future__ import annotations
@@ -142,6 +146,10 @@ class NvlinkBandExchange:
 
     def lease(self, pending: PendingBands) -> SlotLease:
         return self.channel.ring.lease(pending.slot)
+
+    def lend(self, pending: PendingBands, *, remedy: str) -> Tensor:
+        """``output(pending)``, its slot held until no view of it is alive (``SlotRing.lend``)."""
+        return self.channel.ring.lend(pending.slot, self.output(pending), remedy=remedy)
 
     @property
     def nbytes(self) -> int:

@@ -91,10 +91,10 @@ def _front_end(handle: int, x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | No
                                       rope_cos_sin, positions, qkv_bias)
     if for_backward:
         session.grad_exchange()  # built here, in a forward every rank makes alike
-    _, slot, projection = front_end_forward(session, call, for_backward=for_backward)
-    slots = session.exchange(for_backward).slots
-    state = dict(lease=slots.lease(slot), projection=projection) if for_backward else {}
-    return slots.buffer(slot), issue(**state)
+    _, slot_buffer, lease, projection = front_end_forward(session, call,
+                                                          for_backward=for_backward)
+    state = dict(lease=lease, projection=projection) if for_backward else {}
+    return slot_buffer, issue(**state)
 
 
 @_front_end.register_fake

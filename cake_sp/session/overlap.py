@@ -273,8 +273,7 @@ class QkvNormRopeExchangeOverlap:
                                        rope_cos_sin, positions, qkv_bias)
         out_list = self._check_out(out, call)
         differentiable = (x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in differentiable):
+        if ops.differentiable(*differentiable):
             if out_list is not None:
                 raise ValueError("out= cannot be combined with inputs that require grad "
                                  "(the outputs would not be part of the autograd graph)")

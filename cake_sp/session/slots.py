@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from cake_sp.layouts import DestLayout, HeadPlan
 
@@ -54,9 +55,10 @@ class SlotRing:
     slot ``s`` through its own ``tables[s]``.
 
     A slot under a :class:`SlotLease` (a forward whose outputs autograd saved for
-    its backward) is never handed out again while the lease lasts: ``advance``
-    raises :class:`SlotInUseError` instead, before the call sends anything, on
-    every rank alike.
+    its backward) is never handed out again while the lease lasts, nor a slot
+    whose contents were lent (``lend``: a backward's result, whose reader autograd
+    picks) while a view of them is alive: ``advance`` raises :class:`SlotInUseError`
+    instead, before the call sends anything, on every rank alike.
 
     The ring owns ``buffers`` only when built by ``local``; otherwise the
     symmetric heap that allocated them does.
@@ -67,6 +69,7 @@ class SlotRing:
         self._tables = tables
         self._what = what
         self._leases = [0] * len(self._buffers)
+        self._lent: list[tuple[StorageWeakRef, str] | None] = [None] * len(self._buffers)
         self._next = 0
 
     @classmethod
@@ -84,7 +87,7 @@ class SlotRing:
 
     def advance(self) -> int:
         """The slot this call writes; moves the ring on.  Raises ``SlotInUseError`` if that
-        slot is leased."""
+        slot is leased, or lent and a view of what was lent is alive."""
         slot = self._next
         if self._leases[slot]:
             held = sum(1 for n in self._leases if n)
@@ -93,8 +96,25 @@ class SlotRing:
                 f"pending backward still needs ({held} of num_slots={self.num_slots} are "
                 "leased). Run the backward of earlier forwards first, or build the layer with "
                 f"num_slots >= (forwards in flight) + 1; nothing was sent or overwritten.")
+        lent = self._lent[slot]
+        if lent is not None and not lent[0].expired():
+            raise SlotInUseError(
+                f"{self._what}: the receive slot this call writes still holds an earlier "
+                f"call's result, and a tensor viewing it is alive (not yet read by its "
+                f"consumer); nothing was sent or overwritten. {lent[1]}")
+        self._lent[slot] = None
         self._next = (slot + 1) % len(self._buffers)
         return slot
+
+    def lend(self, slot: int, view: Tensor, *, remedy: str) -> Tensor:
+        """``view`` (of ``slot``'s buffer) as a tensor of the same memory on a storage of its
+        own: ``advance`` will not hand ``slot`` out again while any view of that storage is
+        alive, and raises saying ``remedy`` instead.  For a result the caller hands to a
+        reader it does not control (a backward's gradient, read by whichever node autograd
+        runs next), where a lease would have no one to release it."""
+        lent = torch.from_dlpack(view)  # a new storage over the same bytes
+        self._lent[slot] = (StorageWeakRef(lent.untyped_storage()), remedy)
+        return lent
 
     def lease(self, slot: int) -> SlotLease:
         """Pin ``slot`` until the returned lease is released (or garbage collected)."""

@@ -29,7 +29,7 @@ from _layer_inputs import (
 from _ranks import TEST_DEVICE, run_cases
 from torch.utils.checkpoint import checkpoint
 
-from cake_sp import SlotInUseError, UlyssesAttention
+from cake_sp import SlotInUseError, UlyssesAttention, reference
 
 pytestmark = pytest.mark.multi_gpu
 
@@ -71,6 +71,11 @@ def _run(ctx, layer, problem, *, grad=True, cu_seqlens=None, key_mask=None, call
     if not grad:
         return y, None, {}
     y.backward(problem.dys[r].to(dev))
+    return y, x.grad, _summed_grads(layer)
+
+
+def _summed_grads(layer: UlyssesAttention) -> dict:
+    """``{name: the parameter's gradient summed over the group}``; clears the gradients."""
     grads = {}
     for name in PARAM_NAMES:
         p = getattr(layer, name)
@@ -79,7 +84,7 @@ def _run(ctx, layer, problem, *, grad=True, cu_seqlens=None, key_mask=None, call
             dist.all_reduce(total)
             grads[name] = total
             p.grad = None
-    return y, x.grad, grads
+    return grads
 
 
 def _errors(ctx, y, dx, grads, want_y, want_grads) -> dict:
@@ -279,6 +284,75 @@ def case_slot_leases_under_autograd(ctx):
     return report
 
 
+def _joint_reference(problems, hq, hkv) -> tuple[list[list[torch.Tensor]], list[dict]]:
+    """float64: two layers' front ends, one bidirectional attention over both sequences
+    joined (the first layer's tokens, then the second's), each layer's o_proj on its own
+    part; per layer, its outputs per rank and its gradients (as ``reference_layer``)."""
+    xs = [[x.double().requires_grad_(True) for x in p.xs] for p in problems]
+    params = [{k: None if v is None else v.double().requires_grad_(True)
+               for k, v in p.params.items()} for p in problems]
+    parts = [reference.full_sequence_qkv(
+        x, w["qkv_weight"], p.tables, num_q_heads=hq, num_kv_heads=hkv,
+        qkv_bias=w["qkv_bias"], q_norm_weight=w["q_norm_weight"],
+        k_norm_weight=w["k_norm_weight"]) for p, x, w in zip(problems, xs, params)]
+    o = reference.attention(*(torch.cat(t, dim=1) for t in zip(*parts)), causal=False)
+    seq = parts[0][0].shape[1]
+    ys = [reference.output_projection(o_part.flatten(2), w["o_weight"], w["o_bias"],
+                                      seq_local=p.xs[0].shape[1])
+          for p, w, o_part in zip(problems, params, o.split(seq, dim=1))]
+    torch.autograd.backward([y for per_rank in ys for y in per_rank],
+                            [dy.double() for p in problems for dy in p.dys])
+    grads = [{"x": [t.grad for t in x], **{k: v.grad for k, v in w.items() if v is not None}}
+             for x, w in zip(xs, params)]
+    return [[y.detach() for y in per_rank] for per_rank in ys], grads
+
+
+def case_joint_attention_backward_slot(ctx):
+    """Two layers' front ends joined in one attention, each layer's back_end on its part
+    (FLUX's dual-stream pattern): both output steps' backwards run before the attention's.
+    Sharing the backward's scatter, the second raises on every rank before overwriting the
+    first's d_o; with ``share_backward_exchange=False`` the gradients match float64.  A
+    layer's plain call on the shared slot then still gets its gradients right."""
+    hq, hkv = _heads(ctx.world_size, "gqa_split")
+    options = dict(qkv_bias=True, o_bias=True, qk_norm=True, causal=False)
+    problems = [make_layer_problem(90 + i, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
+                                   num_kv_heads=hkv, head_dim=HEAD_DIM, batch=2, seq_local=7,
+                                   qkv_bias=True, o_bias=True, qk_norm=True)
+                for i in range(2)]
+    want_ys, want_grads = _joint_reference(problems, hq, hkv)
+    want_plain = reference_layer(problems[0], num_q_heads=hq, num_kv_heads=hkv,
+                                 rope_style="neox", causal=False)
+    r, dev = ctx.rank, ctx.device
+
+    def joint_step(layers):
+        xs = [p.xs[r].to(dev).clone().requires_grad_(True) for p in problems]
+        bands = [layer.front_end(x, p.tables[r].to(dev))
+                 for layer, x, p in zip(layers, xs, problems)]
+        o = layers[0].attend(*(torch.cat(t, dim=1) for t in zip(*bands)))
+        ys = [layer.back_end(part)
+              for layer, part in zip(layers, o.split(bands[0][0].shape[1], dim=1))]
+        torch.autograd.backward(ys, [p.dys[r].to(dev) for p in problems])
+        return ys, xs
+
+    report = {"errors": {}}
+    shared = [_build(ctx, hq, hkv, **options) for _ in problems]
+    own = [_build(ctx, hq, hkv, share_backward_exchange=False, **options) for _ in problems]
+    for layer, p in zip(shared + own, problems + problems):
+        _load(layer, p.params)
+    report["shared"] = expect_error(lambda: joint_step(shared), SlotInUseError,
+                                    "share_backward_exchange=False")["message"]
+    ys, xs = joint_step(own)
+    for i, (layer, y, x) in enumerate(zip(own, ys, xs)):
+        errors = _errors(ctx, y, x.grad, _summed_grads(layer), want_ys[i], want_grads[i])
+        report["errors"].update({f"{k}_layer{i}": v for k, v in errors.items()})
+    y, dx, grads = _run(ctx, shared[0], problems[0])
+    errors = _errors(ctx, y, dx, grads, *want_plain)
+    report["errors"].update({f"{k}_plain_call": v for k, v in errors.items()})
+    for layer in shared + own:
+        layer.close()
+    return report
+
+
 def case_front_end_pool_without_grad(ctx):
     """Layers of one shape and pool share one front-end slot without grad (and, on the NCCL
     path, the staging), built by the first such call; a layer builds its own only under grad,
@@ -305,8 +379,12 @@ def case_front_end_pool_without_grad(ctx):
             _load(layer, problem.params)
         report["none_before_a_call"] = all(layer.buffer_bytes == 0 for layer in layers[:3])
         report["own_from_construction"] = len(own.session.held_exchanges) == 1
+        ys = []
         with torch.no_grad():
-            ys = [pooled[i](xs[i], tables[i]) for i in (0, 1, 0)]
+            for i in (0, 1, 0):
+                # NaN in the pool's slot first: a call that reads what it did not write shows.
+                pooled[i].session.exchange(False).slots.buffer(0).fill_(float("nan"))
+                ys.append(pooled[i](xs[i], tables[i]))
         for name, i, y in (("y0", 0, ys[0]), ("y1", 1, ys[1]), ("y0_again", 0, ys[2])):
             report["errors"][name] = relative_error(y, wants[i][0][r])
         held = [layer.session.held_exchanges for layer in pooled]
@@ -723,7 +801,8 @@ CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no
          case_key_mask_bidirectional_kept_keys, case_key_mask_causal_padded_rows,
          case_key_mask_noncausal_compiled,
          case_key_mask_causal_compiled,
-         case_slot_leases_under_autograd, case_front_end_pool_without_grad,
+         case_slot_leases_under_autograd, case_joint_attention_backward_slot,
+         case_front_end_pool_without_grad,
          case_torch_compile_fullgraph, case_checkpoint_and_inference,
          case_bad_arguments_raise_everywhere, case_fsdp2_on_a_2d_mesh, case_gpu_real_shape,
          case_gpu_graph_capture_and_back_to_back]
@@ -750,6 +829,13 @@ def _check_leases(world, name, per_rank) -> str:
     for report in per_rank:
         assert "num_slots=2" in report["third_forward"], report["third_forward"]
     return "a third forward raised on every rank; " + summary
+
+
+def _check_joint_attention(world, name, per_rank) -> str:
+    summary = worst_errors_within(world, name, per_rank, forward="y",
+                                  forward_rtol=FORWARD_RTOL, grad_rtol=GRAD_RTOL)
+    assert len({r["shared"] for r in per_rank}) == 1, "the ranks raised different errors"
+    return "sharing the backward's slot raised on every rank; own slots right; " + summary
 
 
 def _check_front_end_pool(world, name, per_rank) -> str:
@@ -811,6 +897,7 @@ def _check_bad_arguments(world, name, per_rank) -> str:
 CHECKS = {
     **{case.__name__: _check_errors for case in REFERENCE_CASES},
     case_slot_leases_under_autograd.__name__: _check_leases,
+    case_joint_attention_backward_slot.__name__: _check_joint_attention,
     case_front_end_pool_without_grad.__name__: _check_front_end_pool,
     case_checkpoint_and_inference.__name__: _check_checkpoint,
     case_torch_compile_fullgraph.__name__: _check_compile,
