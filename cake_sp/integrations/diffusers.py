@@ -444,8 +444,9 @@ def _replacements() -> tuple[dict[type, type], tuple[type, ...]]:
 
 
 def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -> bool:
-    """``apply_ulysses`` of a Wan, LTX-Video, HunyuanVideo or CogVideoX transformer or block
-    (``diffusers_video``); False for any other model."""
+    """``apply_ulysses`` of a Wan, LTX-Video, HunyuanVideo, CogVideoX or SD3 transformer or
+    block (``diffusers_video``); False for any other model."""
+    from diffusers.models.attention import JointTransformerBlock
     from diffusers.models.transformers.cogvideox_transformer_3d import (
         CogVideoXBlock,
         CogVideoXTransformer3DModel,
@@ -459,6 +460,7 @@ def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -
         LTXVideoTransformer3DModel,
         LTXVideoTransformerBlock,
     )
+    from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
     from diffusers.models.transformers.transformer_wan import (
         WanTransformer3DModel,
         WanTransformerBlock,
@@ -467,19 +469,23 @@ def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -
     from cake_sp.integrations.diffusers_video import (
         JointTextAttnProcessor,
         LTXUlyssesAttnProcessor,
+        PlainSelfAttnProcessor,
         WanUlyssesAttnProcessor,
         shard_tokens,
     )
 
-    # transformer class: (its blocks' classes, the attention's name in them, its processor)
-    kinds = {WanTransformer3DModel: ((WanTransformerBlock,), "attn1", WanUlyssesAttnProcessor),
-             LTXVideoTransformer3DModel: ((LTXVideoTransformerBlock,), "attn1",
-                                          LTXUlyssesAttnProcessor),
+    # transformer class: (its blocks' classes, {an attention's name in them: its processor})
+    kinds = {WanTransformer3DModel: ((WanTransformerBlock,), {"attn1": WanUlyssesAttnProcessor}),
+             LTXVideoTransformer3DModel: ((LTXVideoTransformerBlock,),
+                                          {"attn1": LTXUlyssesAttnProcessor}),
              HunyuanVideoTransformer3DModel: ((HunyuanVideoTransformerBlock,
-                                               HunyuanVideoSingleTransformerBlock), "attn",
-                                              JointTextAttnProcessor),
-             CogVideoXTransformer3DModel: ((CogVideoXBlock,), "attn1", JointTextAttnProcessor)}
-    for model_class, (block_classes, name, processor) in kinds.items():
+                                               HunyuanVideoSingleTransformerBlock),
+                                              {"attn": JointTextAttnProcessor}),
+             CogVideoXTransformer3DModel: ((CogVideoXBlock,), {"attn1": JointTextAttnProcessor}),
+             SD3Transformer2DModel: ((JointTransformerBlock,),  # attn2: SD3.5's, or None
+                                     {"attn": JointTextAttnProcessor,
+                                      "attn2": PlainSelfAttnProcessor})}
+    for model_class, (block_classes, processors) in kinds.items():
         if isinstance(model, (model_class, *block_classes)):
             if getattr(getattr(model, "config", None), "image_condition_type", None) == \
                     "token_replace":
@@ -487,9 +493,11 @@ def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -
                                  "image_condition_type='token_replace' is not supported (its "
                                  "first frame's tokens are conditioned apart)")
             for block in [m for m in model.modules() if isinstance(m, block_classes)]:
-                attn = getattr(block, name)
-                attn.set_processor(processor(attn, group=group, max_tokens=max_tokens,
-                                             **core_options))
+                for name, processor in processors.items():
+                    attn = getattr(block, name)
+                    if attn is not None:
+                        attn.set_processor(processor(attn, group=group, max_tokens=max_tokens,
+                                                     **core_options))
             if isinstance(model, model_class):
                 shard_tokens(model, group)
             return True
@@ -508,22 +516,24 @@ def apply_ulysses(model: nn.Module, group=None, *, max_tokens: int, **layer_opti
     blocks receive its rows of the whole sequence's frequencies.
 
     A ``WanTransformer3DModel``, ``LTXVideoTransformer3DModel``,
-    ``HunyuanVideoTransformer3DModel`` or ``CogVideoXTransformer3DModel``, or one of their
-    blocks: the processor of every block's self-attention becomes a
-    ``WanUlyssesAttnProcessor``, ``LTXUlyssesAttnProcessor`` or ``JointTextAttnProcessor``
+    ``HunyuanVideoTransformer3DModel``, ``CogVideoXTransformer3DModel`` or
+    ``SD3Transformer2DModel``, or one of their blocks: the processor of every block's
+    self-attention becomes a ``WanUlyssesAttnProcessor``, ``LTXUlyssesAttnProcessor``,
+    ``JointTextAttnProcessor`` or ``PlainSelfAttnProcessor``
     (``diffusers_video``; its ``UlyssesAttentionCore``
     takes ``layer_options`` of the core's), and a whole transformer gets hooks that shard its
     video tokens inside, so that every rank calls it with the whole inputs and gets the whole
     output.
 
     ``max_tokens``: most rows ``B * S_local`` one call may have on a rank (of each stream,
-    in a dual-stream block; for HunyuanVideo and CogVideoX the rank's video tokens and the
-    whole text).
+    in a dual-stream block; for HunyuanVideo, CogVideoX and SD3 the rank's video (image)
+    tokens and the whole text).
     Raises ``ValueError``, before replacing anything, for a FLUX attention outside those
     blocks, when there is none of them, for an attention with unmerged LoRA adapters
     (``check_adapters_merged``), for a Qwen-Image transformer with ``zero_cond_t`` (its
     per-token modulation covers the whole image) and for a HunyuanVideo transformer with
-    ``image_condition_type="token_replace"``.
+    ``image_condition_type="token_replace"``; an SD3 transformer called with a ControlNet's
+    residuals or IP-Adapter embeddings raises ``ValueError`` from its forward.
     """
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 

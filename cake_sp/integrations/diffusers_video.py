@@ -1,27 +1,30 @@
 """Wan (``WanTransformer3DModel``: Wan 2.1 and 2.2), LTX-Video (``LTXVideoTransformer3DModel``),
-HunyuanVideo (``HunyuanVideoTransformer3DModel``) and CogVideoX (``CogVideoXTransformer3DModel``)
-under Ulysses sequence parallelism, for ``cake_sp.integrations.diffusers.apply_ulysses``.
+HunyuanVideo (``HunyuanVideoTransformer3DModel``), CogVideoX (``CogVideoXTransformer3DModel``)
+and Stable Diffusion 3 / 3.5 (``SD3Transformer2DModel``, whose joint attention is built as
+HunyuanVideo's) under Ulysses sequence parallelism, for
+``cake_sp.integrations.diffusers.apply_ulysses``.
 
 Wan and LTX normalise Q and K over all heads at once (``qk_norm="rms_norm_across_heads"``),
 which the layer's producer, a norm per head, does not compute; HunyuanVideo and CogVideoX
-rotate their video tokens and not their text.  So the drop-in keeps the model's own front end
-and runs the rest on ``UlyssesAttentionCore``:
+rotate their video tokens and not their text, and SD3 rotates nothing.  So the drop-in keeps
+the model's own front end and runs the rest on ``UlyssesAttentionCore``:
 
 * the ``processor`` of every block's self-attention (Wan's, LTX's and CogVideoX's ``attn1``,
-  both HunyuanVideo blocks' ``attn``) becomes a ``WanUlyssesAttnProcessor``,
-  ``LTXUlyssesAttnProcessor`` or ``JointTextAttnProcessor``: the model's
+  both HunyuanVideo blocks' ``attn``, SD3's ``attn`` and SD3.5's image-only ``attn2``) becomes
+  a ``WanUlyssesAttnProcessor``, ``LTXUlyssesAttnProcessor``, ``JointTextAttnProcessor`` or
+  ``PlainSelfAttnProcessor``: the model's
   projections, norms and RoPE on this rank's tokens, then the core's exchange and attention
   over the whole sequence, then the model's output projections.  The weights stay where they
   are (LoRA adapters on them keep working); the cross-attention (``attn2``: this rank's tokens
   over the whole text) needs no exchange and is unchanged;
-* HunyuanVideo's and CogVideoX's joint attention adds the text to every rank's tokens: each
+* HunyuanVideo's, CogVideoX's and SD3's joint attention adds the text to every rank's tokens: each
   rank holds the whole text (its text stream runs on every rank alike), and the attention
   keeps rank 0's text keys only, so each text key counts once, with the text's padding masked;
 * a whole transformer is called with the whole inputs on every rank, as its pipelines call
   it, and returns the whole output on every rank: hooks placed where diffusers' own
   context-parallel plans place them give each rank its share of the video tokens (Wan and
-  HunyuanVideo: after the patch embedding; CogVideoX: where it splits them from the text;
-  LTX: its input tokens), of their RoPE rows and of a per-token timestep, and all-gather
+  HunyuanVideo and SD3: after the patch embedding; CogVideoX: where it splits them from the
+  text; LTX: its input tokens), of their RoPE rows and of a per-token timestep, and all-gather
   ``proj_out``'s output.  The tokens must split evenly.
 
 Training: every rank computes the same loss of the whole output and runs the backward; the
@@ -124,6 +127,24 @@ class LTXUlyssesAttnProcessor(SelfAttnProcessor):
         return tuple(t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
 
 
+class PlainSelfAttnProcessor(SelfAttnProcessor):
+    """A self-attention of the image tokens alone with Q/K norms per head and no RoPE: SD3.5's
+    ``attn2`` (``JointTransformerBlock`` with ``use_dual_attention``)."""
+
+    def qkv(self, attn, hidden_states, rotary_emb):
+        return project_heads(attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v),
+                             (attn.norm_q, attn.norm_k))
+
+
+def project_heads(attn: nn.Module, tokens: Tensor, projections: tuple, norms: tuple
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """``q, k, v [B, S, H, D]`` of ``tokens`` through ``attn``'s ``projections``, Q and K
+    normalised per head by ``norms`` (either may be None)."""
+    q, k, v = (p(tokens).unflatten(2, (attn.heads, -1)) for p in projections)
+    return (q if norms[0] is None else norms[0](q),
+            k if norms[1] is None else norms[1](k), v)
+
+
 _TEXT_KEYS = LastInputs()
 
 
@@ -132,9 +153,12 @@ class JointTextAttnProcessor(CoreAttnProcessor):
     the video's Q and K rotated, over ``UlyssesAttentionCore`` with rank 0's text alone kept as
     keys: the attention of HunyuanVideo's blocks (``HunyuanVideoTransformerBlock.attn``, with
     text projections of its own, ``HunyuanVideoSingleTransformerBlock.attn``, one projection
-    for both and no output projection) and of CogVideoX's (``CogVideoXBlock.attn1``, one
-    projection and one ``to_out`` for both).  The text's output projection is ``to_add_out``
-    where the attention has one, else ``to_out``, as the video's.  With the keys masked
+    for both and no output projection), of CogVideoX's (``CogVideoXBlock.attn1``, one
+    projection and one ``to_out`` for both) and of SD3's (``JointTransformerBlock.attn``, as
+    HunyuanVideo's dual-stream one, without RoPE).  The text's output projection is
+    ``to_add_out`` where the attention has one, else ``to_out`` as the video's, and none in
+    an attention whose text output is not used (``context_pre_only``, SD3's last block).
+    With the keys masked
     alike, the order of the tokens does not change the result, so the video goes first here
     whatever the model's order."""
 
@@ -161,14 +185,14 @@ class JointTextAttnProcessor(CoreAttnProcessor):
         video, text = hidden_states.shape[1], encoder_hidden_states.shape[1]
         own = (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
         if getattr(attn, "add_q_proj", None) is None:  # one projection for both
-            q, k, v = self._heads(attn, torch.cat((hidden_states, encoder_hidden_states), 1),
-                                  *own)
+            q, k, v = project_heads(attn, torch.cat((hidden_states, encoder_hidden_states), 1),
+                                    *own)
         else:
             added = ((attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
                      (attn.norm_added_q, attn.norm_added_k))
             q, k, v = (torch.cat(pair, dim=1) for pair in zip(
-                self._heads(attn, hidden_states, *own),
-                self._heads(attn, encoder_hidden_states, *added)))
+                project_heads(attn, hidden_states, *own),
+                project_heads(attn, encoder_hidden_states, *added)))
         if image_rotary_emb is not None:
             q, k = (torch.cat((apply_rotary_emb(t[:, :video], image_rotary_emb, sequence_dim=1),
                                t[:, video:]), dim=1) for t in (q, k))
@@ -180,17 +204,9 @@ class JointTextAttnProcessor(CoreAttnProcessor):
             o_video = to_out[1](to_out[0](o_video))
         if to_add_out is not None:
             o_text = to_add_out(o_text)
-        elif to_out is not None:
+        elif to_out is not None and not getattr(attn, "context_pre_only", False):
             o_text = to_out[1](to_out[0](o_text))
         return o_video, o_text
-
-    @staticmethod
-    def _heads(attn: nn.Module, tokens: Tensor, projections: tuple, norms: tuple
-               ) -> tuple[Tensor, Tensor, Tensor]:
-        """``q, k, v [B, S, H, D]`` of ``tokens``, Q and K normalised per head."""
-        q, k, v = (p(tokens).unflatten(2, (attn.heads, -1)) for p in projections)
-        return (q if norms[0] is None else norms[0](q),
-                k if norms[1] is None else norms[1](k), v)
 
     def _key_mask(self, attention_mask: Tensor | None, batch: int, video: int, text: int,
                   device: torch.device) -> Tensor | None:
@@ -227,11 +243,33 @@ def _input_hook(split: dict[str, tuple[int, Callable[[Tensor], bool]]],
     return hook
 
 
+def _refuse_sd3_extras(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """A forward pre-hook of ``SD3Transformer2DModel``: ``ValueError`` for a ControlNet's
+    residuals (whole-image tokens, added inside the blocks) or IP-Adapter embeddings (read by
+    a processor of their own, which the drop-in replaced)."""
+    names = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep",
+             "block_controlnet_hidden_states", "joint_attention_kwargs")
+    given = dict(zip(names, args)) | kwargs
+    if given.get("block_controlnet_hidden_states") is not None:
+        raise ValueError("apply_ulysses: SD3Transformer2DModel with "
+                         "block_controlnet_hidden_states is not supported (a ControlNet's "
+                         "residuals cover the whole image)")
+    if "ip_adapter_image_embeds" in (given.get("joint_attention_kwargs") or {}):
+        raise ValueError("apply_ulysses: SD3Transformer2DModel with an IP-Adapter is not "
+                         "supported (its processors were replaced)")
+
+
+# The patch embedding whose output tokens each rank takes its share of; the text stays whole.
+_PATCH_EMBEDDING = {"HunyuanVideoTransformer3DModel": "x_embedder",
+                    "SD3Transformer2DModel": "pos_embed"}
+
+
 def shard_tokens(model: nn.Module, group=None) -> None:
     """Hook a ``WanTransformer3DModel``, ``LTXVideoTransformer3DModel``,
-    ``HunyuanVideoTransformer3DModel`` or ``CogVideoXTransformer3DModel`` so that its blocks
-    run on this rank's video tokens and its output is the whole sequence's (the module
-    docstring); ``ValueError`` from the forward where the tokens do not split evenly."""
+    ``HunyuanVideoTransformer3DModel``, ``CogVideoXTransformer3DModel`` or
+    ``SD3Transformer2DModel`` so that its blocks run on this rank's video (image) tokens and
+    its output is the whole sequence's (the module docstring); ``ValueError`` from the
+    forward where the tokens do not split evenly."""
     resolved = resolve_group(group)
     rank, world = dist.get_rank(resolved), dist.get_world_size(resolved)
 
@@ -251,10 +289,11 @@ def shard_tokens(model: nn.Module, group=None) -> None:
                                         with_kwargs=True)
         model.blocks[0].register_forward_pre_hook(
             _input_hook({"hidden_states": (0, lambda t: True)}, own_rows), with_kwargs=True)
-    elif name == "HunyuanVideoTransformer3DModel":
-        # The patch embedding's tokens; the text stays whole.
-        model.x_embedder.register_forward_hook(
+    elif name in _PATCH_EMBEDDING:
+        getattr(model, _PATCH_EMBEDDING[name]).register_forward_hook(
             lambda module, args, output: own_rows(output, "the video tokens"))
+        if name == "SD3Transformer2DModel":
+            model.register_forward_pre_hook(_refuse_sd3_extras, with_kwargs=True)
     elif name == "CogVideoXTransformer3DModel":
         # The video tokens once the model has split them from the text (block 0's input),
         # and the rows of the RoPE table the caller passes.

@@ -1066,6 +1066,35 @@ def _hunyuan_problem(ctx, *, padded_text: bool = True, **config):
             {k: v.to(ctx.device) for k, v in extra.items()})
 
 
+def _sd3_problem(ctx, *, sd35: bool):
+    """A random fp32 Stable Diffusion 3 transformer (two blocks, 4 heads of 64, the last block's
+    text output unused; ``sd35``: SD3.5's Q/K norms and, in block 0, its second, image-only
+    attention; every attention's output projection scaled up as above) on ``ctx.device``,
+    and its whole inputs: latents ``[2, 4, 8, 8]`` (16 patches of 2 x 2), text ``[2, 7, 32]``,
+    pooled text ``[2, 16]`` and a timestep."""
+    from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    fp32 = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+        attention_head_dim=64, num_attention_heads=4, joint_attention_dim=32,
+        caption_projection_dim=256, pooled_projection_dim=16, pos_embed_max_size=8,
+        dual_attention_layers=(0,) if sd35 else (), qk_norm="rms_norm" if sd35 else None,
+    ).to(ctx.device)
+    with torch.no_grad():
+        for block in fp32.transformer_blocks:
+            for attn in (block.attn, block.attn2):
+                if attn is not None:
+                    attn.to_out[0].weight.mul_(ATTENTION_GAIN)
+    g = torch.Generator().manual_seed(19)
+    batch = 2
+    inputs = dict(hidden_states=torch.randn(batch, 4, 8, 8, generator=g),
+                  encoder_hidden_states=torch.randn(batch, 7, 32, generator=g),
+                  pooled_projections=torch.randn(batch, 16, generator=g))
+    extra = dict(timestep=torch.randint(0, 1000, (batch,), generator=g).float().to(ctx.device))
+    return fp32, {k: v.to(ctx.device) for k, v in inputs.items()}, extra
+
+
 def _cogvideox_problem(ctx, *, rope: bool):
     """A random fp32 CogVideoX transformer (two blocks, 4 heads of 64; the attention's output
     projection scaled up as above) on ``ctx.device``, with RoPE (CogVideoX 5B, 1.5: the
@@ -1219,6 +1248,18 @@ def case_cogvideox_transformer_gradients(ctx):
     return _check_video(ctx, _cogvideox_problem(ctx, rope=True), gradients=True)
 
 
+def case_sd3_transformer(ctx):
+    return _check_video(ctx, _sd3_problem(ctx, sd35=False), gradients=False)
+
+
+def case_sd35_transformer(ctx):
+    return _check_video(ctx, _sd3_problem(ctx, sd35=True), gradients=False)
+
+
+def case_sd35_transformer_gradients(ctx):
+    return _check_video(ctx, _sd3_problem(ctx, sd35=True), gradients=True)
+
+
 def case_wan_i2v_transformer(ctx):
     return _check_video(ctx, _wan_problem(ctx, per_token_timestep=False, image=True),
                         gradients=False)
@@ -1319,6 +1360,13 @@ def case_flux_bad_inputs_raise(ctx):
     report["hunyuan token_replace"] = _refusal(
         apply_ulysses, _hunyuan_problem(ctx, image_condition_type="token_replace")[0],
         max_tokens=8)
+    # SD3 with a ControlNet's residuals (whole-image tokens added inside the blocks).
+    fp32, inputs, extra = _sd3_problem(ctx, sd35=False)
+    sd3 = apply_ulysses(fp32, max_tokens=64)
+    residuals = [torch.zeros(2, 16, 256, device=ctx.device)]
+    report["sd3 controlnet"] = _refusal(lambda blocks: sd3(
+        **inputs, **extra, block_controlnet_hidden_states=blocks), residuals)
+    close(sd3)
     return report
 
 
@@ -1442,7 +1490,8 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_hunyuan_video_transformer_gradients,
                 case_hunyuan_video_transformer_compiled_blocks, case_cogvideox_transformer,
                 case_cogvideox_transformer_position_embeddings,
-                case_cogvideox_transformer_gradients]
+                case_cogvideox_transformer_gradients, case_sd3_transformer,
+                case_sd35_transformer, case_sd35_transformer_gradients]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
@@ -1505,9 +1554,11 @@ def _check_flux_bad_inputs(world, name, per_rank) -> str:
         assert "has 9 tokens, not a multiple of the world size" in r["wan tokens"], r
         assert "image_condition_type='token_replace' is not supported" in \
             r["hunyuan token_replace"], r
+        assert "block_controlnet_hidden_states is not supported" in r["sd3 controlnet"], r
     return ("whole-sequence tables, missing text tokens, a whole text's mask and models "
             "without supported blocks, with an unmerged LoRA or with zero_cond_t, a Wan VACE "
-            "model, Wan tokens that do not split and a token-replace HunyuanVideo raised")
+            "model, Wan tokens that do not split, a token-replace HunyuanVideo and SD3 with "
+            "ControlNet residuals raised")
 
 
 def _curve_distance(a: list[float], b: list[float]) -> float:
