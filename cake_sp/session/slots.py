@@ -100,7 +100,7 @@ class SlotRing:
         if lent is not None and not lent[0].expired():
             raise SlotInUseError(
                 f"{self._what}: the receive slot this call writes still holds an earlier "
-                f"call's result, and a tensor viewing it is alive (not yet read by its "
+                "call's result, and a tensor viewing it is alive (not yet read by its "
                 f"consumer); nothing was sent or overwritten. {lent[1]}")
         self._lent[slot] = None
         self._next = (slot + 1) % len(self._buffers)
