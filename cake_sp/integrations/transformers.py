@@ -55,7 +55,11 @@ SUPPORTED = {"Qwen3Attention": "qwen3", "Qwen3MoeAttention": "qwen3_moe",
              "MixtralAttention": "mixtral", "GraniteAttention": "granite",
              "GraniteMoeAttention": "granitemoe", "SeedOssAttention": "seed_oss",
              "ArceeAttention": "arcee", "ApertusAttention": "apertus",
-             "Exaone4Attention": "exaone4"}
+             "Exaone4Attention": "exaone4", "GemmaAttention": "gemma",
+             "Starcoder2Attention": "starcoder2", "HeliumAttention": "helium",
+             "Dots1Attention": "dots1"}
+# Those that rotate channel pairs (2i, 2i + 1) rather than (i, i + D/2).
+INTERLEAVED_ROPE = {"HeliumAttention"}
 # The name apply_ulysses gives the model's attention implementation (config._attn_implementation).
 ATTENTION_IMPLEMENTATION = "cake_sp_ulysses"
 # One table and one packing per model forward, shared by the layers (they get the same
@@ -104,12 +108,14 @@ class TransformersUlyssesAttention(nn.Module):
         self.config, self.layer_idx = config, attn.layer_idx
         d = attn.head_dim
         self.head_dim = d
+        self.attention_dropout = float(getattr(attn, "attention_dropout", 0.0))
         q_norm = getattr(attn, "q_norm", None)
         weight = attn.q_proj.weight
         options = dict(
             group=group, max_tokens=math.ceil(config.max_position_embeddings / world_size),
             qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
-            qk_norm=q_norm is not None, rope_style="neox", causal=True,
+            qk_norm=q_norm is not None, causal=True,
+            rope_style="interleaved" if type(attn).__name__ in INTERLEAVED_ROPE else "neox",
             eps=q_norm.variance_epsilon if q_norm is not None else 1e-6,
             softmax_scale=attn.scaling, device=weight.device, dtype=weight.dtype)
         options.update(layer_options)
@@ -140,6 +146,10 @@ class TransformersUlyssesAttention(nn.Module):
                 f"layer {self.layer_idx}: cake_sp's Ulysses attention takes a 2-D padding mask "
                 f"[B, S_local] = [{batch}, {seq_local}] of this rank's tokens, got an "
                 f"attention_mask of shape {tuple(attention_mask.shape)}")
+        if self.training and self.attention_dropout:
+            raise ValueError(f"layer {self.layer_idx}: attention_dropout="
+                             f"{self.attention_dropout} is not supported by cake_sp's Ulysses "
+                             "attention (it applies no dropout); set it to 0 for training")
         cos, sin = position_embeddings
         half = self.head_dim // 2
         given = kwargs.get("cu_seq_lens_q")

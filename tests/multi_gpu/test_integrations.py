@@ -76,6 +76,16 @@ KINDS = {
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),  # per-head QK-norm
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM",  # per-head QK-norm, global layers
                 dict(sliding_window=None, layer_types=["full_attention"] * 2)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM",  # biases on q, k, v and o
+                   dict(sliding_window=None)),
+    "helium": ("HeliumConfig", "HeliumForCausalLM",  # o_proj is hidden x hidden
+               dict(hidden_size=256)),
+    # Dots1: per-head QK-norm; block 1 routes every token to all 4 experts (top-2 flipped an
+    # expert on a bf16 rounding at W = 4, 1.22e-2 against 8.1e-3, as Granite-MoE's above).
+    "dots1": ("Dots1Config", "Dots1ForCausalLM",
+              dict(n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=64,
+                   n_shared_experts=1, first_k_dense_replace=1, sliding_window=None)),
 }
 
 
@@ -83,10 +93,10 @@ def _tiny_config(kind: str, **options):
     import transformers
 
     config_cls, _, extra = KINDS[kind]
-    return getattr(transformers, config_cls)(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-        **{**extra, **options})
+    shape = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 max_position_embeddings=256)
+    return getattr(transformers, config_cls)(**{**shape, **extra, **options})
 
 
 def _model(kind: str, **options):
@@ -359,6 +369,22 @@ def case_apertus_logits(ctx):
 
 def case_exaone4_logits(ctx):
     return _check_logits(ctx, "exaone4")
+
+
+def case_gemma_logits(ctx):
+    return _check_logits(ctx, "gemma")
+
+
+def case_starcoder2_logits(ctx):
+    return _check_logits(ctx, "starcoder2")
+
+
+def case_helium_logits(ctx):
+    return _check_logits(ctx, "helium")
+
+
+def case_dots1_logits(ctx):
+    return _check_logits(ctx, "dots1")
 
 
 def case_qwen3_moe_logits(ctx):
@@ -1409,6 +1435,14 @@ def case_unsupported_inputs_raise(ctx):
         except ValueError as exc:
             report[name] = str(exc)
     close(model)
+    # Attention dropout: refused in training (the layer applies none), allowed in eval.
+    model = apply_ulysses(_model("llama", attention_dropout=0.1).bfloat16().to(ctx.device))
+    with torch.no_grad():
+        model.eval()
+        report["dropout_eval"] = _refusal(lambda m: m(ids, position_ids=positions), model)
+        model.train()
+        report["dropout_train"] = _refusal(lambda m: m(ids, position_ids=positions), model)
+    close(model)
     return report
 
 
@@ -1473,6 +1507,8 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_qwen2_moe_logits, case_mistral_logits, case_mixtral_logits,
                 case_granite_logits, case_granitemoe_logits, case_seed_oss_logits,
                 case_arcee_logits, case_apertus_logits, case_exaone4_logits,
+                case_gemma_logits, case_starcoder2_logits, case_helium_logits,
+                case_dots1_logits,
                 case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
                 case_flux_transformer, case_flux_transformer_compiled,
                 case_qwen_image_transformer, case_qwen_image_transformer_gradients,
@@ -1537,7 +1573,10 @@ def _check_unsupported(world, name, per_rank) -> str:
         assert "cu_seqlens must be strictly increasing" in r["bounds"], r["bounds"]
         assert "model.layers.0.self_attn.q_proj" in r["lora"], r["lora"]
         assert "carry adapters (LoRA) not merged" in r["lora"], r["lora"]
-    return "unsupported model, mask, cache, bad cu_seq_lens and an unmerged LoRA raised"
+        assert r["dropout_eval"] == "no error", r["dropout_eval"]
+        assert "attention_dropout=0.1 is not supported" in r["dropout_train"], r
+    return ("unsupported model, mask, cache, bad cu_seq_lens, an unmerged LoRA and attention "
+            "dropout in training raised")
 
 
 def _check_flux_bad_inputs(world, name, per_rank) -> str:
