@@ -109,6 +109,7 @@ class TransformersUlyssesAttention(nn.Module):
         d = attn.head_dim
         self.head_dim = d
         self.attention_dropout = float(getattr(attn, "attention_dropout", 0.0))
+        self.train(attn.training)  # the replaced module's mode, as model.eval() left it
         q_norm = getattr(attn, "q_norm", None)
         weight = attn.q_proj.weight
         options = dict(

@@ -1435,10 +1435,11 @@ def case_unsupported_inputs_raise(ctx):
         except ValueError as exc:
             report[name] = str(exc)
     close(model)
-    # Attention dropout: refused in training (the layer applies none), allowed in eval.
-    model = apply_ulysses(_model("llama", attention_dropout=0.1).bfloat16().to(ctx.device))
+    # Attention dropout: refused in training (the layer applies none), allowed in eval, also
+    # where the model was put in eval before apply_ulysses (the replacements keep its mode).
+    model = apply_ulysses(_model("llama", attention_dropout=0.1).eval().bfloat16()
+                          .to(ctx.device))
     with torch.no_grad():
-        model.eval()
         report["dropout_eval"] = _refusal(lambda m: m(ids, position_ids=positions), model)
         model.train()
         report["dropout_train"] = _refusal(lambda m: m(ids, position_ids=positions), model)
