@@ -291,7 +291,7 @@ def shard_tokens(model: nn.Module, group=None) -> None:
             _input_hook({"hidden_states": (0, lambda t: True)}, own_rows), with_kwargs=True)
     elif name in _PATCH_EMBEDDING:
         getattr(model, _PATCH_EMBEDDING[name]).register_forward_hook(
-            lambda module, args, output: own_rows(output, "the video tokens"))
+            lambda module, args, output: own_rows(output, "the patch tokens"))
         if name == "SD3Transformer2DModel":
             model.register_forward_pre_hook(_refuse_sd3_extras, with_kwargs=True)
     elif name == "CogVideoXTransformer3DModel":

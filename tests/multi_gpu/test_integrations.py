@@ -1392,6 +1392,9 @@ def case_flux_bad_inputs_raise(ctx):
     residuals = [torch.zeros(2, 16, 256, device=ctx.device)]
     report["sd3 controlnet"] = _refusal(lambda blocks: sd3(
         **inputs, **extra, block_controlnet_hidden_states=blocks), residuals)
+    report["sd3 ip-adapter"] = _refusal(lambda kwargs: sd3(
+        **inputs, **extra, joint_attention_kwargs=kwargs),
+        {"ip_adapter_image_embeds": torch.zeros(2, 1, 8, device=ctx.device)})
     close(sd3)
     return report
 
@@ -1595,10 +1598,11 @@ def _check_flux_bad_inputs(world, name, per_rank) -> str:
         assert "image_condition_type='token_replace' is not supported" in \
             r["hunyuan token_replace"], r
         assert "block_controlnet_hidden_states is not supported" in r["sd3 controlnet"], r
+        assert "with an IP-Adapter is not supported" in r["sd3 ip-adapter"], r
     return ("whole-sequence tables, missing text tokens, a whole text's mask and models "
             "without supported blocks, with an unmerged LoRA or with zero_cond_t, a Wan VACE "
             "model, Wan tokens that do not split, a token-replace HunyuanVideo and SD3 with "
-            "ControlNet residuals raised")
+            "ControlNet residuals or an IP-Adapter raised")
 
 
 def _curve_distance(a: list[float], b: list[float]) -> float:
