@@ -13,6 +13,14 @@ the peers' receive slots, or one NCCL all-to-all), and so are their mirrors in t
 backward (``session/autograd.py``: ``HeadScatterFunction``, ``OutputProjectionFunction``
 without a projection).  What the layer fuses into its producer (the QKV GEMM, norm and
 RoPE) stays the caller's: one more pass over q, k, v than the layer, and any math.
+
+*Joint tokens* (``joint=(q, k, v)``): tokens every rank holds whole, the text of a diffusion
+model's joint attention, attended with the sequence both as queries and as keys.  No rank
+sends them: each takes its own head band of them locally, joins it to the bands it received,
+attends over ``S + T`` tokens, and sends its band of their output to every rank with the
+sequence's (the gather by tokens, each destination receiving the same band), so every rank
+gets their whole output.  Their keys count once and their queries are attended once, where
+passing them as every rank's own tokens would attend ``W`` copies of them.
 """
 
 from __future__ import annotations
@@ -77,6 +85,14 @@ class UlyssesAttentionCore(nn.Module):
     arguments, or every rank raises the same error.  So is every call.
     """
 
+    # A call holds its own attention, so its output step's backward is followed by that
+    # attention's backward before any other core's: the shared slot of ``d_o`` is read at
+    # once, and this stays unseen unless a caller reorders the backward by hand.
+    BACKWARD_SLOT_REMEDY = (
+        "A second core's output backward ran before the attention backward that reads the "
+        "first one's d_o; the cores of one shape share that slot, so their backwards must "
+        "not be reordered by hand.")
+
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, causal: bool,
                  group: dist.ProcessGroup | None = None, max_tokens: int,
                  softmax_scale: float | None = None, attention_backend: str = "auto",
@@ -110,6 +126,7 @@ class UlyssesAttentionCore(nn.Module):
         self.causal, self.softmax_scale, self.max_tokens = causal, softmax_scale, max_tokens
         self.num_slots, self.device = num_slots, device
         self._group, self._timeout = group, float(wait_timeout_s)
+        self.rank = dist.get_rank(group)
         plan = self.plan
         q, kv = plan.q_per_rank, plan.kv_per_rank
         self._transfers = {
@@ -161,15 +178,23 @@ class UlyssesAttentionCore(nn.Module):
         """The sequence-parallel group (None once closed)."""
         return self._group
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *,
-                key_mask: Tensor | None = None) -> Tensor:
-        """``o [B, S_local, Hq, D]`` bf16: attention of this rank's queries over the whole
-        sequence, for this rank's tokens.
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, key_mask: Tensor | None = None,
+                joint: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+        """``o [B, S_local (+ T), Hq, D]`` bf16: attention of this rank's queries (and the
+        joint tokens') over the whole sequence (and the joint tokens), for this rank's tokens
+        (then the joint tokens).
 
         q : ``[B, S_local, Hq, D]``; k, v : ``[B, S_local, Hkv, D]``: this rank's tokens, every
             head, bf16 (fp32 is cast to bf16), on the module's device; any strides.
-        key_mask : optional bool ``[B, S]`` over the whole sequence (``S = W * S_local``), the
-            same on every rank: False (or 0) for a key no query may attend to.
+        key_mask : optional bool ``[B, S]`` over the whole sequence (``S = W * S_local``; with
+            ``joint``, ``[B, S + T]``: the sequence's keys, then the joint tokens'), the same
+            on every rank: False (or 0) for a key no query may attend to.
+        joint : optional ``(q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D])``, tokens every
+            rank passes whole and alike (the text of a joint attention; ``causal=False``
+            only).  Their output ``[B, T, Hq, D]``, the same on every rank, follows this
+            rank's tokens' in ``o``; ``B * (S_local + T)`` rows count against ``max_tokens``.
+            Their gradient on each rank covers its own band of heads (the part of the loss
+            reached through that band), so the sum over the group is the whole gradient.
 
         Every rank of the group calls, in the same order.  Under autograd (an input that
         requires grad) the result is a view of this module's receive slot, leased until
@@ -179,26 +204,56 @@ class UlyssesAttentionCore(nn.Module):
         """
         q, k, v = self._checked(q, k, v)
         batch, seq_local = q.shape[:2]
+        joint = self._checked_joint(joint, batch, seq_local)
+        joint_tokens = 0 if joint is None else joint[0].shape[1]
         if key_mask is not None:
-            key_mask = check_key_mask(key_mask, batch=batch,
-                                      seq=self.plan.world_size * seq_local, device=q.device)
+            key_mask = check_key_mask(
+                key_mask, batch=batch, seq=self.plan.world_size * seq_local + joint_tokens,
+                device=q.device)
         if self.plan.kv_replicas > 1:  # each rank's K/V head, once per rank that uses it
             k, v = (t.repeat_interleave(self.plan.kv_replicas, dim=2) for t in (k, v))
-        grad = ops.differentiable(q, k, v)
+        grad = ops.differentiable(q, k, v, *(joint or ()))
         compiling = torch.compiler.is_compiling()
         if compiling:
             q, k, v = ops.head_scatter(self, q, k, v)
         else:
             q, k, v = HeadScatterFunction.apply(*self.scatter_exchanges(grad), q, k, v)
+        if joint is not None:
+            q, k, v = (torch.cat((band, own), dim=1)
+                       for band, own in zip((q, k, v), self._joint_bands(joint)))
         with torch.autocast(q.device.type, enabled=False):
             o = attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                           backend=self.attention_backend, key_mask=key_mask)
+        if joint is not None:
+            o = self._with_joint_rows(o, joint_tokens)
         if compiling:
             y = ops.output_projection(self, o, None, None)
         else:
-            y = OutputProjectionFunction.apply(*self.output_exchanges(grad), o, None, None)
-        y = y.view(batch, seq_local, self.plan.num_q_heads, self.plan.head_dim)
+            y = OutputProjectionFunction.apply(*self.output_exchanges(grad),
+                                               self.BACKWARD_SLOT_REMEDY, o, None, None)
+        y = y.view(batch, seq_local + joint_tokens, self.plan.num_q_heads, self.plan.head_dim)
         return y if grad else y.clone()  # without autograd the slot is shared: copied out
+
+    def _joint_bands(self, joint: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, ...]:
+        """This rank's band of the joint tokens' heads: Q heads ``[r * q, (r + 1) * q)``, and
+        the K/V heads that band uses (one K/V head shared by ``kv_replicas`` ranks)."""
+        plan, r = self.plan, self.rank
+        kv_first = r * plan.kv_per_rank // plan.kv_replicas
+        jq, jk, jv = joint
+        return (jq.narrow(2, r * plan.q_per_rank, plan.q_per_rank),
+                jk.narrow(2, kv_first, plan.kv_per_rank), jv.narrow(2, kv_first, plan.kv_per_rank))
+
+    def _with_joint_rows(self, o: Tensor, joint_tokens: int) -> Tensor:
+        """``o [B, S + T, h, D]`` (the sequence's rows, then the joint tokens') laid out for
+        the gather by tokens: ``[B, W * (S_local + T), h, D]``, destination ``d``'s block its
+        own rows then the joint tokens' (every block the same ones; so in the backward the
+        joint rows' gradient is the sum of every rank's)."""
+        world = self.plan.world_size
+        batch, rows, heads, dim = o.shape
+        sequence, joint_rows = o.split((rows - joint_tokens, joint_tokens), dim=1)
+        blocks = sequence.unflatten(1, (world, -1))
+        copies = joint_rows.unsqueeze(1).expand(batch, world, joint_tokens, heads, dim)
+        return torch.cat((blocks, copies), dim=2).flatten(1, 2)
 
     def _checked(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``q, k, v`` checked (host checks only: every rank raises alike before any exchange)
@@ -214,6 +269,28 @@ class UlyssesAttentionCore(nn.Module):
         for name, t in (("k", k), ("v", v)):
             check_tensor(name, t, dtypes=INPUT_DTYPES, device=self.device, shape=kv_shape)
         return tuple(t.to(torch.bfloat16) for t in (q, k, v))
+
+    def _checked_joint(self, joint, batch: int, seq_local: int) -> tuple[Tensor, ...] | None:
+        """``joint`` checked as ``_checked`` checks ``q, k, v``, cast to bf16; None stays."""
+        if joint is None:
+            return None
+        if self.causal:
+            raise ValueError("joint: joint tokens need a core with causal=False (they have no "
+                             "place in the sequence's order)")
+        if not isinstance(joint, (tuple, list)) or len(joint) != 3:
+            raise TypeError(f"joint must be a tuple (q, k, v) of tensors, got {type(joint)}")
+        plan = self.plan
+        check_tensor("joint q", joint[0], dtypes=INPUT_DTYPES, device=self.device, ndim=4)
+        tokens = joint[0].shape[1]
+        if tokens < 1 or batch * (seq_local + tokens) > self.max_tokens:
+            raise ValueError(f"joint q: T = {tokens} joint tokens, B * (S_local + T) = "
+                             f"{batch * (seq_local + tokens)} rows; the core takes T >= 1 and "
+                             f"at most max_tokens={self.max_tokens} rows")
+        check_tensor("joint q", joint[0], shape=(batch, tokens, plan.num_q_heads, plan.head_dim))
+        kv_shape = (batch, tokens, plan.num_kv_heads, plan.head_dim)
+        for name, t in (("joint k", joint[1]), ("joint v", joint[2])):
+            check_tensor(name, t, dtypes=INPUT_DTYPES, device=self.device, shape=kv_shape)
+        return tuple(t.to(torch.bfloat16) for t in joint)
 
     @property
     def buffer_bytes(self) -> int:

@@ -119,6 +119,15 @@ class UlyssesAttention(nn.Module):
     same arguments, or every rank raises the same error.  So is every call.
     """
 
+    # What the backward's ``SlotInUseError`` advises when the shared slot of ``d_o`` is
+    # still unread (the joint pattern of ``front_end``/``back_end``: see
+    # ``share_backward_exchange``).
+    BACKWARD_SLOT_REMEDY = (
+        "A second output step's backward ran before the attention backward that reads the "
+        "first one's d_o, as when a module attends over several layers' front ends at once "
+        "and calls each layer's back_end: build those layers with "
+        "share_backward_exchange=False (a slot each).")
+
     def __init__(self, hidden: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
                  group: dist.ProcessGroup | None = None, max_tokens: int,
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = True,
@@ -340,7 +349,8 @@ class UlyssesAttention(nn.Module):
             if torch.compiler.is_compiling():
                 y = ops.output_projection(self, o, o_weight, o_bias)
             else:
-                y = OutputProjectionFunction.apply(*self.output_exchanges(grad), o, o_weight,
+                y = OutputProjectionFunction.apply(*self.output_exchanges(grad),
+                                                   self.BACKWARD_SLOT_REMEDY, o, o_weight,
                                                    o_bias)
         # Without o_proj and a backward, y is the shared slot itself: copied out.
         return y if grad or o_weight is not None else y.clone()

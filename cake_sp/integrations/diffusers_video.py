@@ -17,9 +17,10 @@ the model's own front end and runs the rest on ``UlyssesAttentionCore``:
   over the whole sequence, then the model's output projections.  The weights stay where they
   are (LoRA adapters on them keep working); the cross-attention (``attn2``: this rank's tokens
   over the whole text) needs no exchange and is unchanged;
-* HunyuanVideo's, CogVideoX's and SD3's joint attention adds the text to every rank's tokens: each
-  rank holds the whole text (its text stream runs on every rank alike), and the attention
-  keeps rank 0's text keys only, so each text key counts once, with the text's padding masked;
+* HunyuanVideo's, CogVideoX's and SD3's joint attention passes the text as the core's joint
+  tokens: each rank holds the whole text (its text stream runs on every rank alike), attends
+  its own band of the text's heads beside the video's, and gets the text's whole output back
+  with its video tokens', the text's padding masked;
 * a whole transformer is called with the whole inputs on every rank, as its pipelines call
   it, and returns the whole output on every rank: hooks placed where diffusers' own
   context-parallel plans place them give each rank its share of the video tokens (Wan and
@@ -30,7 +31,7 @@ the model's own front end and runs the rest on ``UlyssesAttentionCore``:
 Training: every rank computes the same loss of the whole output and runs the backward; the
 gather hands each rank its own tokens' gradient, so each parameter's gradient is this rank's
 tokens' share, and a sum over the group (``dist.all_reduce``) gives the whole gradient
-(the text path's: rank 0's, whose keys are the ones kept).
+(the text stream's too: each rank's copy of the text carries its share).
 """
 
 from __future__ import annotations
@@ -150,17 +151,17 @@ _TEXT_KEYS = LastInputs()
 
 class JointTextAttnProcessor(CoreAttnProcessor):
     """A joint attention of this rank's video tokens and the whole text (every rank holds it),
-    the video's Q and K rotated, over ``UlyssesAttentionCore`` with rank 0's text alone kept as
-    keys: the attention of HunyuanVideo's blocks (``HunyuanVideoTransformerBlock.attn``, with
-    text projections of its own, ``HunyuanVideoSingleTransformerBlock.attn``, one projection
-    for both and no output projection), of CogVideoX's (``CogVideoXBlock.attn1``, one
-    projection and one ``to_out`` for both) and of SD3's (``JointTransformerBlock.attn``, as
-    HunyuanVideo's dual-stream one, without RoPE).  The text's output projection is
+    the video's Q and K rotated, over ``UlyssesAttentionCore`` with the text as its joint
+    tokens (each rank attends its band of the text's heads, every rank gets the text's whole
+    output): the attention of HunyuanVideo's blocks (``HunyuanVideoTransformerBlock.attn``,
+    with text projections of its own, ``HunyuanVideoSingleTransformerBlock.attn``, one
+    projection for both and no output projection), of CogVideoX's (``CogVideoXBlock.attn1``,
+    one projection and one ``to_out`` for both) and of SD3's (``JointTransformerBlock.attn``,
+    as HunyuanVideo's dual-stream one, without RoPE).  The text's output projection is
     ``to_add_out`` where the attention has one, else ``to_out`` as the video's, and none in
     an attention whose text output is not used (``context_pre_only``, SD3's last block).
-    With the keys masked
-    alike, the order of the tokens does not change the result, so the video goes first here
-    whatever the model's order."""
+    The attention is over all tokens at once, so the order of the video and the text does
+    not change the result: the video goes first here whatever the model's order."""
 
     def __call__(self, attn: nn.Module, hidden_states: Tensor,
                  encoder_hidden_states: Tensor | None = None,
@@ -184,20 +185,15 @@ class JointTextAttnProcessor(CoreAttnProcessor):
             raise ValueError(f"{type(self).__name__}: needs encoder_hidden_states (the text)")
         video, text = hidden_states.shape[1], encoder_hidden_states.shape[1]
         own = (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
-        if getattr(attn, "add_q_proj", None) is None:  # one projection for both
-            q, k, v = project_heads(attn, torch.cat((hidden_states, encoder_hidden_states), 1),
-                                    *own)
-        else:
-            added = ((attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
-                     (attn.norm_added_q, attn.norm_added_k))
-            q, k, v = (torch.cat(pair, dim=1) for pair in zip(
-                project_heads(attn, hidden_states, *own),
-                project_heads(attn, encoder_hidden_states, *added)))
+        added = own if getattr(attn, "add_q_proj", None) is None else (  # one for both
+            (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
+            (attn.norm_added_q, attn.norm_added_k))
+        q, k, v = project_heads(attn, hidden_states, *own)
         if image_rotary_emb is not None:
-            q, k = (torch.cat((apply_rotary_emb(t[:, :video], image_rotary_emb, sequence_dim=1),
-                               t[:, video:]), dim=1) for t in (q, k))
-        o = self.core(q, k, v, key_mask=self._key_mask(attention_mask, q.shape[0], video,
-                                                       text, q.device))
+            q, k = (apply_rotary_emb(t, image_rotary_emb, sequence_dim=1) for t in (q, k))
+        o = self.core(q, k, v, joint=project_heads(attn, encoder_hidden_states, *added),
+                      key_mask=self._key_mask(attention_mask, q.shape[0], video, text,
+                                              q.device))
         o_video, o_text = o.flatten(2, 3).type_as(q).split((video, text), dim=1)
         to_out, to_add_out = getattr(attn, "to_out", None), getattr(attn, "to_add_out", None)
         if to_out is not None:
@@ -210,22 +206,19 @@ class JointTextAttnProcessor(CoreAttnProcessor):
 
     def _key_mask(self, attention_mask: Tensor | None, batch: int, video: int, text: int,
                   device: torch.device) -> Tensor | None:
-        """bool ``[B, W * (I_local + T)]`` over the core's sequence (each rank's video tokens,
-        then its copy of the text): every video key, and rank 0's text keys the model's mask
-        keeps; None with one rank and no mask.  Built once per transformer forward (every
-        block gets the same mask tensor), with no host read."""
-        world = self.core.plan.world_size
-        if world == 1 and attention_mask is None:
+        """bool ``[B, I + T]`` over the core's keys (the whole video, then the text): every
+        video key, and the text keys the model's mask keeps; None without a mask.  Built once
+        per transformer forward (every block gets the same mask tensor), with no host
+        read."""
+        if attention_mask is None:
             return None
+        world = self.core.plan.world_size
 
         def build():
-            keys = torch.ones(batch, world, video + text, dtype=torch.bool, device=device)
-            keys[:, 1:, video:] = False
-            if attention_mask is not None:
-                keys[:, 0, video:] = attention_mask.reshape(batch, -1)[:, -text:].bool()
-            return keys.flatten(1)
-        tensors = () if attention_mask is None else (attention_mask,)
-        return _TEXT_KEYS.get(tensors, (batch, world, video, text, device), build)
+            keys = torch.ones(batch, world * video + text, dtype=torch.bool, device=device)
+            keys[:, world * video:] = attention_mask.reshape(batch, -1)[:, -text:].bool()
+            return keys
+        return _TEXT_KEYS.get((attention_mask,), (batch, world, video, text, device), build)
 
 
 def _input_hook(split: dict[str, tuple[int, Callable[[Tensor], bool]]],

@@ -165,18 +165,12 @@ def output_projection_forward(gather, o_band: Tensor, o_weight: Tensor | None,
     return y.view(batch, seq_local, -1), o_tokens, gather.lease(pending)
 
 
-_SHARED_SCATTER_REMEDY = (
-    "A second output step's backward ran before the attention backward that reads the first "
-    "one's d_o, as when a module attends over several layers' front ends at once and calls "
-    "each layer's back_end: build those layers with share_backward_exchange=False (a slot "
-    "each).")
-
-
 def output_projection_backward(scatter, dy: Tensor, o_weight: Tensor | None, o_tokens: Tensor,
-                               lease: SlotLease | None, *, weight_grad: bool, bias_grad: bool
-                               ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                               lease: SlotLease | None, *, weight_grad: bool, bias_grad: bool,
+                               remedy: str) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``(d_o_band, dW_o, d_bias)`` from ``dy [B, S_local, out]``: ``d_o = dy @ W_o`` scattered
-    by heads back to the band owners (``d_o_band``, the scatter's slot lent: ``lend``), ``dW_o =
+    by heads back to the band owners (``d_o_band``, the scatter's slot lent: ``lend``, with
+    ``remedy``, the caller's advice for a second backward before ``d_o`` is read), ``dW_o =
     dy^T @ o_tokens``; releases ``lease`` (the forward's gather slot; None when it already
     ended with its ticket).  Collective."""
     batch, seq_local = dy.shape[:2]
@@ -193,7 +187,7 @@ def output_projection_backward(scatter, dy: Tensor, o_weight: Tensor | None, o_t
     scatter.wait(pending)
     # Autograd, not this function, decides when d_o is read: lent, so that a second output
     # step's backward before that read raises instead of overwriting it.
-    return scatter.lend(pending, remedy=_SHARED_SCATTER_REMEDY), dw, db
+    return scatter.lend(pending, remedy=remedy), dw, db
 
 
 def _lease_of(ticket: Tensor) -> SlotLease | None:
@@ -232,15 +226,17 @@ class OutputProjectionFunction(torch.autograd.Function):
     """``y = o_tokens @ o_weight.T (+ o_bias)``, ``o_tokens`` gathered by tokens from every
     rank's head band; without ``o_weight``, ``y = o_tokens`` (a view of the leased slot).
 
-    ``gather``/``scatter``: the layer's ``BandExchange`` of Q bands, in each direction.  The
-    GEMM consumes the gathered rows in ``gather.row_chunks`` as they arrive.
+    ``gather``/``scatter``: the layer's ``BandExchange`` of Q bands, in each direction;
+    ``remedy``: what the caller advises where ``scatter``'s slot is still lent
+    (``output_projection_backward``).  The GEMM consumes the gathered rows in
+    ``gather.row_chunks`` as they arrive.
     """
 
     @staticmethod
-    def forward(ctx, gather, scatter, o_band, o_weight, o_bias):
+    def forward(ctx, gather, scatter, remedy, o_band, o_weight, o_bias):
         y, o_tokens, lease = output_projection_forward(gather, o_band, o_weight, o_bias)
         ctx.save_for_backward(o_weight, o_tokens, tickets.issue(lease=lease))
-        ctx.scatter = scatter
+        ctx.scatter, ctx.remedy = scatter, remedy
         return y
 
     @staticmethod
@@ -248,8 +244,9 @@ class OutputProjectionFunction(torch.autograd.Function):
         o_weight, o_tokens, ticket = ctx.saved_tensors
         d_o, dw, db = output_projection_backward(
             ctx.scatter, dy, o_weight, o_tokens, _lease_of(ticket),
-            weight_grad=ctx.needs_input_grad[3], bias_grad=ctx.needs_input_grad[4])
-        return None, None, d_o, dw, db
+            weight_grad=ctx.needs_input_grad[4], bias_grad=ctx.needs_input_grad[5],
+            remedy=ctx.remedy)
+        return None, None, None, d_o, dw, db
 
 
 def head_scatter_forward(scatter, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, SlotLease]:

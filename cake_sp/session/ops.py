@@ -10,7 +10,8 @@ backward helpers, so the math and the exchanges exist once.
   ``cake_sp::front_end_backward``;
 * ``cake_sp::output_projection(handle, o_band, ...) -> (y, ticket)`` and
   ``cake_sp::output_projection_backward`` (of a layer, or of an ``UlyssesAttentionCore``
-  without a projection: both give ``output_exchanges`` and ``plan``);
+  without a projection: both give ``output_exchanges``, ``BACKWARD_SLOT_REMEDY`` and
+  ``plan``);
 * ``cake_sp::head_scatter(handle, q, k, v, ...) -> (slot, ticket)`` and
   ``cake_sp::head_scatter_backward``: the core's scatter of the caller's q, k, v.
 
@@ -186,11 +187,13 @@ def _(handle, o_band, o_weight, o_bias, for_backward):
 @torch.library.custom_op("cake_sp::output_projection_backward", mutates_args=())
 def _output_projection_backward(handle: int, ticket: Tensor, dy: Tensor,
                                 o_weight: Tensor | None, bias_grad: bool) -> list[Tensor]:
-    _, scatter = _lookup(handle).output_exchanges(True)
+    owner = _lookup(handle)
+    _, scatter = owner.output_exchanges(True)
     state = redeem(ticket, "cake_sp::output_projection_backward")
     d_o, dw, db = output_projection_backward(scatter, dy, o_weight, state.o_tokens, state.lease,
                                              weight_grad=o_weight is not None,
-                                             bias_grad=bias_grad)
+                                             bias_grad=bias_grad,
+                                             remedy=owner.BACKWARD_SLOT_REMEDY)
     return [d_o, *(g for g in (dw, db) if g is not None)]
 
 

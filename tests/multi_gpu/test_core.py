@@ -1,6 +1,7 @@
 """``UlyssesAttentionCore`` on 2, 4 and 8 spawned ranks: the output and ``dq, dk, dv`` against
-float64 attention over the whole sequence, calls without grad, two cores and activation
-checkpointing under one backward, slot leases, and bad input raising on every rank.
+float64 attention over the whole sequence (and joint tokens every rank holds), calls without
+grad, two cores and activation checkpointing under one backward, slot leases, and bad input
+raising on every rank.
 
 On CPUs the ranks use gloo and the NCCL path; ``CAKE_SP_TEST_DEVICE`` (see ``_ranks.py``)
 runs the same cases on GPUs, ``CAKE_SP_TEST_WORLDS`` picks W and ``CAKE_SP_TEST_BACKEND`` the
@@ -13,6 +14,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from _checks import assert_no_rank_failed, expect_error, worst_errors_within
 from _layer_inputs import FORWARD_RTOL, GRAD_RTOL, relative_error
 from _ranks import run_cases
@@ -143,6 +145,51 @@ def case_two_cores_checkpoint_and_leases(ctx):
     return report
 
 
+def case_joint_tokens_key_mask(ctx):
+    """Joint tokens (a text every rank passes whole): the sequence's and their output on every
+    rank, and the sum over the group of their ``dq, dk, dv`` against float64 attention over
+    the sequence and them once, each rank's ``dy`` of their rows its own (so the reference's
+    is their sum); a key mask over both; Hkv < W from W = 4 (K/V heads replicated); then
+    their output without grad."""
+    w, r, dev = ctx.world_size, ctx.rank, ctx.device
+    hq, hkv, text = 2 * w, max(1, w // 2), 7
+    problem = _problem(21, w, hq=hq, hkv=hkv, batch=2, seq_local=5)
+    g = torch.Generator().manual_seed(22)
+    joint = {n: torch.randn(2, text, heads, HEAD_DIM, generator=g).bfloat16()
+             for n, heads in (("q", hq), ("k", hkv), ("v", hkv))}
+    joint_dy = [torch.randn(2, text, hq, HEAD_DIM, generator=g).bfloat16() for _ in range(w)]
+    key_mask = torch.rand(2, 5 * w + text, generator=g) < 0.7
+    key_mask[:, 0] = True
+    full = {n: torch.cat((*problem[n], joint[n]), dim=1).double().requires_grad_(True)
+            for n in "qkv"}
+    want = reference.attention(full["q"], full["k"], full["v"], causal=False,
+                               key_mask=key_mask)
+    want.backward(torch.cat((*problem["dy"], sum(d.double() for d in joint_dy)), dim=1))
+    with UlyssesAttentionCore(hq, hkv, HEAD_DIM, causal=False, max_tokens=MAX_TOKENS,
+                              device=dev) as core:
+        q, k, v = _inputs(ctx, problem)
+        jq, jk, jv = (joint[n].to(dev).requires_grad_(True) for n in "qkv")
+        o = core(q, k, v, joint=(jq, jk, jv), key_mask=key_mask.to(dev))
+        o.backward(torch.cat((problem["dy"][r], joint_dy[r]), dim=1).to(dev))
+        errors = {"o": relative_error(o[:, :5], want[:, 5 * r:5 * (r + 1)].detach()),
+                  "o_joint": relative_error(o[:, 5:], want[:, 5 * w:].detach())}
+        errors.update({f"d{n}": relative_error(t.grad, full[n].grad[:, 5 * r:5 * (r + 1)])
+                       for n, t in zip("qkv", (q, k, v))})
+        for n, t in zip("qkv", (jq, jk, jv)):
+            total = t.grad.float()
+            dist.all_reduce(total)  # each rank's band of heads
+            errors[f"d{n}_joint"] = relative_error(total, full[n].grad[:, 5 * w:])
+        with torch.no_grad():
+            o_eval = core(q, k, v, joint=(jq, jk, jv), key_mask=key_mask.to(dev))
+            kept = o_eval.clone()
+            core(*(torch.randn_like(t) for t in (q, k, v)),
+                 joint=tuple(torch.randn_like(t) for t in (jq, jk, jv)))
+        core.synchronize()
+        return {"errors": errors, "no_grad_equal": bool(torch.equal(o_eval, o.detach())),
+                "no_grad_kept": bool(torch.equal(o_eval, kept)),
+                "no_grad_graph": o_eval.grad_fn is not None}
+
+
 def case_bad_arguments_raise_everywhere(ctx):
     w, dev = ctx.world_size, ctx.device
     out = {}
@@ -158,8 +205,12 @@ def case_bad_arguments_raise_everywhere(ctx):
     out["causal_differs"] = expect_error(lambda: build(causal=ctx.rank == 0), ValueError,
                                          "different options")
     out["backend"] = expect_error(lambda: build(backend="mpi"), ValueError, "backend")
+    q = torch.randn(1, 8, w, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    text = q[:, :3]
+    with build(causal=True) as core:
+        out["joint_causal"] = expect_error(lambda: core(q, q, q, joint=(text, text, text)),
+                                           ValueError, "causal=False")
     with build() as core:
-        q = torch.randn(1, 8, w, HEAD_DIM, device=dev, dtype=torch.bfloat16)
         out["k_shape"] = expect_error(lambda: core(q, q[:, :7], q), ValueError, "k must have")
         out["fp16"] = expect_error(lambda: core(q.half(), q, q), TypeError, "q must have dtype")
         long = torch.randn(1, MAX_TOKENS + 1, w, HEAD_DIM, device=dev, dtype=torch.bfloat16)
@@ -167,14 +218,22 @@ def case_bad_arguments_raise_everywhere(ctx):
         bad_mask = torch.ones(1, 8, dtype=torch.bool, device=dev)
         out["key_mask"] = expect_error(lambda: core(q, q, q, key_mask=bad_mask), ValueError,
                                        "key_mask must have shape")
+        out["joint_k"] = expect_error(lambda: core(q, q, q, joint=(text, text[:, :2], text)),
+                                      ValueError, "joint k must have")
+        out["joint_rows"] = expect_error(lambda: core(q, q, q, joint=(long, long, long)),
+                                         ValueError, "max_tokens")
+        mask = torch.ones(1, 8 * w, dtype=torch.bool, device=dev)  # the sequence's keys only
+        out["joint_key_mask"] = expect_error(
+            lambda: core(q, q, q, key_mask=mask, joint=(text, text, text)), ValueError,
+            "key_mask must have shape")
         # Nothing was sent: a good call still runs on every rank.
-        out["after"] = {"shape": list(core(q, q, q).shape)}
+        out["after"] = {"shape": list(core(q, q, q, joint=(text, text, text)).shape)}
     return out
 
 
 CASES = [case_gqa_causal, case_replicated_kv_bidirectional_key_mask_fp32,
          case_gqa_causal_key_mask_compiled, case_two_cores_checkpoint_and_leases,
-         case_bad_arguments_raise_everywhere]
+         case_joint_tokens_key_mask, case_bad_arguments_raise_everywhere]
 
 
 def _check_errors(world, name, per_rank) -> str:
@@ -207,6 +266,7 @@ CHECKS = {case_gqa_causal.__name__: _check_errors,
           case_gqa_causal_key_mask_compiled.__name__: _check_errors,
           case_replicated_kv_bidirectional_key_mask_fp32.__name__: _check_fp32,
           case_two_cores_checkpoint_and_leases.__name__: _check_errors,
+          case_joint_tokens_key_mask.__name__: _check_errors,
           case_bad_arguments_raise_everywhere.__name__: _check_bad_arguments}
 assert set(CHECKS) == {case.__name__ for case in CASES}, "every case needs its check"
 
