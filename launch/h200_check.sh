@@ -25,7 +25,8 @@
 # processes sharing GPU 0 over NVLink), core-shared (UlyssesAttentionCore the same way, W = 2,
 # 4, 8), integrations-shared (the transformers and diffusers drop-ins the same way;
 # CAKE_SP_TEST_INTEGRATION_CASES picks cases; diffusers may be carried in .whl/), bench-layer (the layer benchmark, one rank) and
-# bench-layer-shared (its smoke run with two ranks sharing GPU 0), sanitizer-layer (memcheck and
+# bench-layer-shared (its smoke run with two ranks sharing GPU 0), bench-joint (one rank's joint
+# attention with joint tokens beside the text passed as every rank's tokens), sanitizer-layer (memcheck and
 # racecheck on one small layer forward + backward), train-shared (launch/train_steps.py: 200
 # AdamW steps of a small Qwen3 under apply_ulysses, TRAIN_WORLD processes sharing GPU 0,
 # against the same model on the full sequence).
@@ -192,6 +193,8 @@ run_named() {
         bench-layer) run_stage bench-layer torchrun --standalone --nproc-per-node=1 \
                          benchmarks/layer/bench_ulysses_attention.py --json "$OUT/bench_layer.json" \
                          ${BENCH_LAYER_ARGS:-} ;;
+        bench-joint) run_stage bench-joint python3 benchmarks/layer/bench_joint_tokens.py \
+                         --json "$OUT/bench_joint_tokens.json" ${BENCH_JOINT_ARGS:-} ;;
         bench-layer-shared) run_stage bench-layer-shared env CAKE_SP_ALLOW_SHARED_GPU=1 torchrun \
                                 --standalone --nproc-per-node=2 \
                                 benchmarks/layer/bench_ulysses_attention.py --rows smoke ;;
