@@ -470,9 +470,15 @@ def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -
         JointTextAttnProcessor,
         LTXUlyssesAttnProcessor,
         PlainSelfAttnProcessor,
+        TextShards,
         WanUlyssesAttnProcessor,
         shard_tokens,
     )
+
+    # SD3's text is split over the ranks with its image (a few hundred tokens beside a few
+    # thousand: its text stream's share of a rank's work would be large); the video models'
+    # text, a small share, stays whole on every rank, the joint attention's joint tokens.
+    text_shards = TextShards()
 
     # transformer class: (its blocks' classes, {an attention's name in them: its processor})
     kinds = {WanTransformer3DModel: ((WanTransformerBlock,), {"attn1": WanUlyssesAttnProcessor}),
@@ -483,7 +489,8 @@ def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -
                                               {"attn": JointTextAttnProcessor}),
              CogVideoXTransformer3DModel: ((CogVideoXBlock,), {"attn1": JointTextAttnProcessor}),
              SD3Transformer2DModel: ((JointTransformerBlock,),  # attn2: SD3.5's, or None
-                                     {"attn": JointTextAttnProcessor,
+                                     {"attn": functools.partial(JointTextAttnProcessor,
+                                                                text_shards=text_shards),
                                       "attn2": PlainSelfAttnProcessor})}
     for model_class, (block_classes, processors) in kinds.items():
         if isinstance(model, (model_class, *block_classes)):
@@ -499,7 +506,7 @@ def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -
                         attn.set_processor(processor(attn, group=group, max_tokens=max_tokens,
                                                      **core_options))
             if isinstance(model, model_class):
-                shard_tokens(model, group)
+                shard_tokens(model, group, text_shards)
             return True
         if any(isinstance(m, block_classes) for m in model.modules()):
             raise ValueError(f"apply_ulysses: {type(model).__name__} is not supported; of its "

@@ -17,10 +17,14 @@ the model's own front end and runs the rest on ``UlyssesAttentionCore``:
   over the whole sequence, then the model's output projections.  The weights stay where they
   are (LoRA adapters on them keep working); the cross-attention (``attn2``: this rank's tokens
   over the whole text) needs no exchange and is unchanged;
-* HunyuanVideo's, CogVideoX's and SD3's joint attention passes the text as the core's joint
-  tokens: each rank holds the whole text (its text stream runs on every rank alike), attends
-  its own band of the text's heads beside the video's, and gets the text's whole output back
-  with its video tokens', the text's padding masked;
+* HunyuanVideo's and CogVideoX's joint attention passes the text as the core's joint tokens:
+  each rank holds the whole text (its text stream runs on every rank alike, a small share
+  beside the video), attends its own band of the text's heads beside the video's, and gets
+  the text's whole output back with its video tokens', the text's padding masked.  A whole
+  SD3 transformer splits its text over the ranks too (a hook on its context embedder pads
+  it to a multiple of the world size; the padding masked as keys), so its text stream,
+  hundreds of tokens beside a few thousand image tokens, is not run on every rank; one of
+  its blocks alone takes the whole text as HunyuanVideo's;
 * a whole transformer is called with the whole inputs on every rank, as its pipelines call
   it, and returns the whole output on every rank: hooks placed where diffusers' own
   context-parallel plans place them give each rank its share of the video tokens (Wan and
@@ -41,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_rotate
 from diffusers.models.transformers.transformer_wan import _get_qkv_projections
@@ -161,7 +166,16 @@ class JointTextAttnProcessor(CoreAttnProcessor):
     ``to_add_out`` where the attention has one, else ``to_out`` as the video's, and none in
     an attention whose text output is not used (``context_pre_only``, SD3's last block).
     The attention is over all tokens at once, so the order of the video and the text does
-    not change the result: the video goes first here whatever the model's order."""
+    not change the result: the video goes first here whatever the model's order.
+
+    ``text_shards``: where the model's hooks split the text over the ranks too (a whole
+    ``SD3Transformer2DModel``: ``TextShards``), a forward given a share of the text attends
+    it as this rank's own tokens, its padding masked, instead of as joint tokens."""
+
+    def __init__(self, attn: nn.Module, *, text_shards: TextShards | None = None,
+                 **options) -> None:
+        super().__init__(attn, **options)
+        self.text_shards = text_shards
 
     def __call__(self, attn: nn.Module, hidden_states: Tensor,
                  encoder_hidden_states: Tensor | None = None,
@@ -191,9 +205,19 @@ class JointTextAttnProcessor(CoreAttnProcessor):
         q, k, v = project_heads(attn, hidden_states, *own)
         if image_rotary_emb is not None:
             q, k = (apply_rotary_emb(t, image_rotary_emb, sequence_dim=1) for t in (q, k))
-        o = self.core(q, k, v, joint=project_heads(attn, encoder_hidden_states, *added),
-                      key_mask=self._key_mask(attention_mask, q.shape[0], video, text,
-                                              q.device))
+        text_qkv = project_heads(attn, encoder_hidden_states, *added)
+        whole_text = None if self.text_shards is None else self.text_shards.tokens
+        if whole_text is None:
+            o = self.core(q, k, v, joint=text_qkv,
+                          key_mask=self._key_mask(attention_mask, q.shape[0], video, text,
+                                                  q.device))
+        else:  # this rank's share of the text, as its own tokens
+            if attention_mask is not None:
+                raise ValueError(f"{type(self).__name__}: an attention_mask with the text "
+                                 "split over the ranks is not supported")
+            q, k, v = (torch.cat(pair, dim=1) for pair in zip((q, k, v), text_qkv))
+            o = self.core(q, k, v, key_mask=self.text_shards.key_mask(
+                q.shape[0], video, text, self.core.plan.world_size, q.device))
         o_video, o_text = o.flatten(2, 3).type_as(q).split((video, text), dim=1)
         to_out, to_add_out = getattr(attn, "to_out", None), getattr(attn, "to_add_out", None)
         if to_out is not None:
@@ -219,6 +243,40 @@ class JointTextAttnProcessor(CoreAttnProcessor):
             keys[:, world * video:] = attention_mask.reshape(batch, -1)[:, -text:].bool()
             return keys
         return _TEXT_KEYS.get((attention_mask,), (batch, world, video, text, device), build)
+
+
+class TextShards:
+    """The text of the current forward split over the ranks (``SD3Transformer2DModel``): its
+    context embedder's output padded to a multiple of the world size, each rank taking its
+    share, as the image's tokens.  The hook sets ``tokens`` (the whole text's, padding not
+    counted), the model's forward pre-hook clears it, and the joint attentions read it.  One
+    object shared by a transformer's hooks and processors."""
+
+    def __init__(self) -> None:
+        self.tokens: int | None = None
+        self._masks = LastInputs()
+
+    def own_rows(self, text: Tensor, rank: int, world: int) -> Tensor:
+        """This rank's rows of ``text [B, T, dim]`` padded with zeros to ``W * ceil(T / W)``
+        rows (the padding masked as keys, its outputs dropped with the text stream's)."""
+        self.tokens = text.shape[1]
+        rows = -(-self.tokens // world)
+        padded = F.pad(text, (0, 0, 0, world * rows - self.tokens))
+        return padded[:, rank * rows:(rank + 1) * rows]
+
+    def key_mask(self, batch: int, video: int, text: int, world: int,
+                 device: torch.device) -> Tensor | None:
+        """bool ``[B, W * (I_local + T_local)]`` over the core's sequence (each rank's video
+        tokens, then its share of the text): the padding rows masked; None without padding."""
+        if world * text == self.tokens:
+            return None
+
+        def build():
+            keys = torch.ones(world, video + text, dtype=torch.bool, device=device)
+            keys[:, video:] = torch.arange(world * text, device=device).view(world, text) \
+                < self.tokens
+            return keys.flatten().expand(batch, -1)
+        return self._masks.get((), (batch, video, text, world, self.tokens, device), build)
 
 
 def _input_hook(split: dict[str, tuple[int, Callable[[Tensor], bool]]],
@@ -257,12 +315,13 @@ _PATCH_EMBEDDING = {"HunyuanVideoTransformer3DModel": "x_embedder",
                     "SD3Transformer2DModel": "pos_embed"}
 
 
-def shard_tokens(model: nn.Module, group=None) -> None:
+def shard_tokens(model: nn.Module, group=None, text_shards: TextShards | None = None) -> None:
     """Hook a ``WanTransformer3DModel``, ``LTXVideoTransformer3DModel``,
     ``HunyuanVideoTransformer3DModel``, ``CogVideoXTransformer3DModel`` or
     ``SD3Transformer2DModel`` so that its blocks run on this rank's video (image) tokens and
     its output is the whole sequence's (the module docstring); ``ValueError`` from the
-    forward where the tokens do not split evenly."""
+    forward where the tokens do not split evenly.  ``text_shards`` (SD3 only): the text is
+    split too, padded, into the object its joint attentions read."""
     resolved = resolve_group(group)
     rank, world = dist.get_rank(resolved), dist.get_world_size(resolved)
 
@@ -287,6 +346,11 @@ def shard_tokens(model: nn.Module, group=None) -> None:
             lambda module, args, output: own_rows(output, "the patch tokens"))
         if name == "SD3Transformer2DModel":
             model.register_forward_pre_hook(_refuse_sd3_extras, with_kwargs=True)
+            if text_shards is not None:  # cleared first, so a block called alone sees none
+                model.register_forward_pre_hook(
+                    lambda module, args: setattr(text_shards, "tokens", None))
+                model.context_embedder.register_forward_hook(
+                    lambda module, args, output: text_shards.own_rows(output, rank, world))
     elif name == "CogVideoXTransformer3DModel":
         # The video tokens once the model has split them from the text (block 0's input),
         # and the rows of the RoPE table the caller passes.
