@@ -13,7 +13,10 @@ of 16 after 1,000 cached tokens) and compares per byte where the new shape moves
 so 1.0 or less is no slower than the base (and no slower per byte than it where the shape
 moves more).  Bytes are ``bench_qk_rope_append.bytes_moved``'s.  Every shape and its
 base run as CUDA graphs of ``--calls-per-graph`` calls (L2 warm, as the anchor times),
-the two replayed alternately (A/B/B/A) for ``--rounds`` rounds, medians::
+the two replayed alternately (A/B/B/A) for ``--rounds`` rounds, medians.  Each arm has
+``--instances`` graphs, each over inputs of its own (fresh random values and page table,
+other addresses), taken in turn round by round: two graphs of one problem differ by up to
+about 3 % on one GPU, which a single graph an arm would count as the shape's::
 
     python benchmarks/kernels/bench_append_shapes.py --json append_shapes.json
 
@@ -28,7 +31,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +111,12 @@ def per_byte_ratio(time_us: float, moved: int, base_us: float, base_moved: int) 
     return time_us / (base_us * max(1.0, moved / base_moved))
 
 
+def instances(base: Base, shape: Shape, quant: int, norm: int, args) -> list[Callable[[], None]]:
+    """``--instances`` graphs of ``shape``'s call, each over inputs of its own."""
+    return [calls_graph(fused_call(problem_of(base, shape, quant, norm)), args.calls_per_graph)
+            for _ in range(args.instances)]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,19 +125,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bases", default=",".join(b.name for b in BASES))
     p.add_argument("--calls-per-graph", type=int, default=20)
     p.add_argument("--replays", type=int, default=5, help="replays a sample")
-    p.add_argument("--rounds", type=int, default=10, help="A/B/B/A rounds")
+    p.add_argument("--rounds", type=int, default=12, help="A/B/B/A rounds")
+    p.add_argument("--instances", type=int, default=3,
+                   help="graphs an arm, each over inputs of its own, taken in turn")
     p.add_argument("--limit", type=float, default=1.0, help="ratios above this are listed")
     p.add_argument("--json", metavar="PATH", help="also write rows and environment here")
     return p.parse_args(argv)
 
 
-def time_pair(a: Callable[[], None], b: Callable[[], None], args) -> tuple[float, float]:
-    """Medians of ``a`` and ``b`` over A/B/B/A rounds."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(args.rounds):
+def time_pair(a: Sequence[Callable[[], None]], b: Sequence[Callable[[], None]],
+              args) -> tuple[float, float, float]:
+    """Medians of the graphs ``a`` and of ``b`` (instances of one problem each) over A/B/B/A
+    rounds, round ``i`` taking instance ``i`` of each in turn, and the largest over the
+    smallest of ``a``'s instances' own medians (how far where the buffers fall moves it)."""
+    times: tuple[dict, dict] = ({}, {})
+    for i in range(args.rounds):
         for which in (0, 1, 1, 0):
-            times[which].append(sample_us((a, b)[which], args.calls_per_graph, args.replays))
-    return statistics.median(times[0]), statistics.median(times[1])
+            replays = (a, b)[which]
+            times[which].setdefault(i % len(replays), []).append(
+                sample_us(replays[i % len(replays)], args.calls_per_graph, args.replays))
+    medians = [statistics.median(sum(t.values(), [])) for t in times]
+    per_instance = [statistics.median(t) for t in times[0].values()]
+    return medians[0], medians[1], max(per_instance) / min(per_instance)
 
 
 def markdown(rows: list[dict], limit: float) -> str:
@@ -149,6 +167,10 @@ def markdown(rows: list[dict], limit: float) -> str:
               f"its base's spread: " + ("; ".join(
                   f"{r['base']} {r['op']} norm {r['norm']} {r['shape']} {r['ratio']:.3f} "
                   f"(spread {spread[group_of(r)]:.3f})" for r in beyond) or "none")]
+    instance = [r["base_instance_spread"] for r in rows if "base_instance_spread" in r]
+    if instance:
+        lines.append(f"A base's instances (graphs over inputs of their own) spread by "
+                     f"{min(instance):.3f}-{max(instance):.3f}x beside one shape.")
     return "\n".join(lines)
 
 
@@ -182,16 +204,17 @@ def main(argv=None) -> int:
         for quant in (int(x) for x in args.quant.split(",")):
             for norm in (int(x) for x in args.norm.split(",")):
                 base_p = problem_of(base, Shape(base.heads), quant, norm)
-                base_replay = calls_graph(fused_call(base_p), args.calls_per_graph)
+                base_replays = instances(base, Shape(base.heads), quant, norm, args)
                 base_moved = bytes_moved(base_p)
                 for shape in shapes_of(base):
                     p = problem_of(base, shape, quant, norm)
-                    replay = calls_graph(fused_call(p), args.calls_per_graph)
-                    base_us, shape_us = time_pair(base_replay, replay, args)
+                    base_us, shape_us, spread = time_pair(
+                        base_replays, instances(base, shape, quant, norm, args), args)
                     r = dict(base=base.name, op="bf16" if quant == 0 else f"fp8 q{quant}",
                              norm=norm, shape=shape.label(base), base_us=base_us,
                              shape_us=shape_us, bytes_ratio=bytes_moved(p) / base_moved,
-                             ratio=per_byte_ratio(shape_us, bytes_moved(p), base_us, base_moved))
+                             ratio=per_byte_ratio(shape_us, bytes_moved(p), base_us, base_moved),
+                             base_instance_spread=spread)
                     rows.append(r)
                     print(json.dumps(r), file=sys.stderr)
     if args.json:

@@ -57,3 +57,28 @@ def test_markdown_separates_the_rows_beyond_their_bases_noise():
     # HND is within its base's 5.7 % spread; page 256 is not, nor D 64 (a base timed once).
     assert text.endswith("above its base's spread: H3 bf16 norm 0 page 256 1.700 (spread 1.057); "
                          "H3 fp8 q2 norm 0 D 64 1.010 (spread 1.000)")
+
+
+def test_time_pair_takes_the_instances_in_turn(monkeypatch):
+    """Round i times instance i of each arm (A/B/B/A); the medians are over every instance's
+    samples, and the spread is of the first arm's instances' own medians."""
+    monkeypatch.setattr(bas, "sample_us", lambda replay, calls, replays: replay())
+    seen = []
+
+    def instance(us):
+        return lambda: seen.append(us) or us
+
+    a, b = [instance(t) for t in (1.0, 1.2, 1.1)], [instance(t) for t in (2.0, 2.0, 2.3)]
+    args = bas.parse_args(["--rounds", "6"])
+    a_us, b_us, spread = bas.time_pair(a, b, args)
+    assert seen[:8] == [1.0, 2.0, 2.0, 1.0, 1.2, 2.0, 2.0, 1.2]
+    assert a_us == pytest.approx(1.1) and b_us == pytest.approx(2.0)
+    assert spread == pytest.approx(1.2)
+
+
+def test_markdown_reports_the_instances_spread():
+    row = dict(base="M1", op="bf16", norm=2, shape="D 64", base_us=2.0, shape_us=2.2,
+               bytes_ratio=0.5, ratio=1.1, base_instance_spread=1.02)
+    text = bas.markdown([row, {**row, "base_instance_spread": 1.005}], 1.0)
+    assert text.endswith("instances (graphs over inputs of their own) spread by "
+                         "1.005-1.020x beside one shape.")
