@@ -1176,8 +1176,12 @@ def _check_video(ctx, problem, *, gradients: bool, lora: bool = False,
     if gradients:
         ours.enable_gradient_checkpointing()
     if compiled:
-        ours.compile_repeated_blocks(backend="inductor" if ctx.device.type == "cuda"
-                                     else "aot_eager", fullgraph=True)
+        backend = "inductor" if ctx.device.type == "cuda" else "aot_eager"
+        if ours._repeated_blocks:
+            ours.compile_repeated_blocks(backend=backend, fullgraph=True)
+        else:  # as compile_repeated_blocks would (SD3 names no repeated blocks)
+            for block in ours.transformer_blocks:
+                block.compile(backend=backend, fullgraph=True)
     weights = torch.randn(inputs["hidden_states"].shape,
                           generator=torch.Generator().manual_seed(14)).to(ctx.device)
 
@@ -1284,6 +1288,11 @@ def case_sd35_transformer(ctx):
 
 def case_sd35_transformer_gradients(ctx):
     return _check_video(ctx, _sd3_problem(ctx, sd35=True), gradients=True)
+
+
+def case_sd35_transformer_compiled_blocks(ctx):
+    """The text split over the ranks (its padding's key mask) traced into compiled blocks."""
+    return _check_video(ctx, _sd3_problem(ctx, sd35=True), gradients=True, compiled=True)
 
 
 def case_wan_i2v_transformer(ctx):
@@ -1531,7 +1540,8 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_hunyuan_video_transformer_compiled_blocks, case_cogvideox_transformer,
                 case_cogvideox_transformer_position_embeddings,
                 case_cogvideox_transformer_gradients, case_sd3_transformer,
-                case_sd35_transformer, case_sd35_transformer_gradients]
+                case_sd35_transformer, case_sd35_transformer_gradients,
+                case_sd35_transformer_compiled_blocks]
 CASES = [*OUTPUT_CASES, case_flux_bad_inputs_raise, case_unsupported_inputs_raise]
 # Run in ranks of their own, so that training's minutes on the CPU (333 s at W = 4 on two
 # cores) have the 600 s a test may take to themselves.
