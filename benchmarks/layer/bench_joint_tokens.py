@@ -24,10 +24,10 @@ checked against each other first. A sample is one call (forward, or forward + ba
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
+from _one_gpu import run_rows, time_ms
 
 from cake_sp.attention import attention
 
@@ -47,15 +47,6 @@ def copies_key_mask(image: int, text: int, world: int) -> torch.Tensor:
     keys = torch.ones(world, image // world + text, dtype=torch.bool)
     keys[1:, image // world:] = False
     return keys.flatten()[None]
-
-
-def _time_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def bench_row(model: str, image: int, text: int, heads: int, dim: int, world: int,
@@ -105,7 +96,7 @@ def bench_row(model: str, image: int, text: int, heads: int, dim: int, world: in
         samples = {arm: [] for arm in arms}
         for _ in range(rounds):
             for arm in (*arms, *reversed(arms)):
-                samples[arm].append(_time_ms(lambda arm=arm: call(arm)))
+                samples[arm].append(time_ms(lambda arm=arm: call(arm)))
         for arm in arms:
             row[f"{mode}_{arm}_ms"] = statistics.median(samples[arm])
         row[f"{mode}_copies_over_joint"] = row[f"{mode}_copies_ms"] / row[f"{mode}_joint_ms"]
@@ -133,17 +124,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_joint_tokens needs a CUDA GPU")
-    rows = []
-    for shape in ROWS[args.rows]:
-        rows.append(bench_row(*shape, args.rounds))
-        print(rows[-1], flush=True)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    run_rows("bench_joint_tokens", (shape + (args.rounds,) for shape in ROWS[args.rows]),
+             bench_row, markdown, args.json)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,11 @@ is the median over ``A B C C B A`` rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 import torch.nn.functional as F
+from _one_gpu import run_rows, time_ms
 
 from cake_sp.attention import attention
 
@@ -58,18 +58,6 @@ def _lengths(seq: int, kind: str, n: int, g: torch.Generator) -> list[int]:
         return [seq // n] * n
     cuts = torch.randperm(seq - 1, generator=g)[:n - 1].add(1).sort().values.tolist()
     return [b - a for a, b in zip([0, *cuts], [*cuts, seq])]
-
-
-def _time_ms(fn, rounds: int) -> list[float]:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(rounds):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out
 
 
 def _masks(seq: int, kind: str, n: int, causal: bool, g: torch.Generator):
@@ -151,7 +139,7 @@ def bench_row(seq: int, kind: str, n: int, causal: bool, rounds: int) -> dict:
         samples = {arm: [] for arm in arms}
         for _ in range(rounds):
             for arm in (*arms, *reversed(arms)):
-                samples[arm] += _time_ms(lambda arm=arm: call(arm), 1)
+                samples[arm].append(time_ms(lambda arm=arm: call(arm)))
         for arm in arms:
             row[f"{mode}_{arm}_ms"] = statistics.median(samples[arm])
         for arm in ("dense_mask", "per_sequence"):
@@ -183,17 +171,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_packed_attention needs a CUDA GPU")
-    rows = []
-    for seq, kind, n, causal in ROWS[args.rows]:
-        rows.append(bench_row(seq, kind, n, causal, args.rounds))
-        print(rows[-1], flush=True)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    run_rows("bench_packed_attention", (row + (args.rounds,) for row in ROWS[args.rows]),
+             bench_row, markdown, args.json)
 
 
 if __name__ == "__main__":
