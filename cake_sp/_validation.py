@@ -57,6 +57,16 @@ def check_softmax_scale(scale: object) -> None:
                          f"{scale!r}")
 
 
+def check_sliding_window(window: object, causal: object) -> None:
+    """``sliding_window``: None, or a positive int with ``causal=True`` (a query's last
+    ``window`` keys, itself among them)."""
+    if window is None:
+        return
+    check_positive_int("sliding_window", window)
+    if causal is not True:
+        raise ValueError(f"sliding_window={window} needs causal=True (a query's last keys)")
+
+
 def check_positive_int(name: str, value: object) -> None:
     """``TypeError`` unless ``value`` is an int (not a bool), ``ValueError`` unless it is
     >= 1; both name ``name``."""

@@ -39,6 +39,15 @@ memory-efficient kernel), except where SDPA would fall back to its math kernel o
 the keys (built once per mask tensor).  A query left with no key (every key masked, or every
 earlier one if causal) gets what the kernel gives there (zeros from SDPA's math and
 memory-efficient kernels and from flex attention).
+
+Sliding windows.  ``window`` (causal calls only; transformers' ``sliding_window``): a query
+at ``i`` attends the keys ``j`` with ``i - window < j <= i`` (flash-attn's ``window_size =
+(window - 1, 0)``), within its sequence and its kept keys where ``cu_seqlens`` or
+``key_mask`` is given too.  flash-attn runs it (varlen with ``cu_seqlens``; not with a key
+mask); otherwise a GPU runs flex attention with one block mask of everything (built once
+per mask tensor or ``cu_seqlens``: the blocks out of every window are skipped), and the CPU
+one SDPA call with the dense mask.  A window of ``S`` or more keys is plain causal
+attention.
 """
 
 from __future__ import annotations
@@ -62,6 +71,8 @@ _KEY_BLOCK_MASK = LastInputs()
 _BOOL_KEY_MASK = LastInputs()
 # The kept keys' indices of a mask tensor (a host read), likewise.
 _KEPT_KEYS = LastInputs()
+# The block mask of a sliding window (with a key mask or packed sequences), likewise.
+_WINDOW_BLOCK_MASK = LastInputs()
 
 
 @functools.cache
@@ -155,12 +166,16 @@ def _shorten(bounds: tuple) -> str:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float | None,
               backend: str, cu_seqlens: tuple[int, ...] | None = None,
-              key_mask: Tensor | None = None) -> Tensor:
+              key_mask: Tensor | None = None, window: int | None = None) -> Tensor:
     """``o [B, S, Hq, D]`` from ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` (a resolved
     ``backend``); with ``cu_seqlens`` (checked by ``check_cu_seqlens``) each packed sequence
     attends only to itself; with ``key_mask`` (bool ``[B, S]``, checked by
-    ``check_key_mask``; not with ``cu_seqlens``) no query attends to a masked key."""
+    ``check_key_mask``; not with ``cu_seqlens``) no query attends to a masked key; with
+    ``window`` (causal only) a query attends its last ``window`` keys alone."""
     batch, seq = q.shape[:2]
+    if window is not None and window < seq:
+        return _windowed_attention(q, k, v, softmax_scale, backend, window, cu_seqlens,
+                                   key_mask)
     if key_mask is not None:
         kept = None if _no_host_reads(q) else _kept_keys(key_mask)
         if kept is not None and (not causal or kept.spans_only):
@@ -175,6 +190,72 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: f
         from flash_attn import flash_attn_func
         return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
     return _sdpa(q, k, v, causal, softmax_scale)
+
+
+def _windowed_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None,
+                        backend: str, window: int, cu_seqlens: tuple[int, ...] | None,
+                        key_mask: Tensor | None) -> Tensor:
+    """Causal attention over each query's last ``window`` keys (``window < S``), within its
+    sequence and its kept keys (``attention``'s notes)."""
+    batch, seq = q.shape[:2]
+    if backend == "flash" and key_mask is None:
+        window_size = (window - 1, 0)
+        if cu_seqlens is None or cu_seqlens == row_bounds(batch, seq):
+            from flash_attn import flash_attn_func
+            return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=True,
+                                   window_size=window_size)
+        from flash_attn import flash_attn_varlen_func
+        tokens = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
+        bounds, longest = _varlen_bounds(cu_seqlens, q.device)
+        o = flash_attn_varlen_func(*tokens, bounds, bounds, longest, longest,
+                                   softmax_scale=softmax_scale, causal=True,
+                                   window_size=window_size)
+        return o.view(batch, seq, *o.shape[1:])
+    if q.device.type == "cuda":
+        return _flex_attention(q, k, v, softmax_scale,
+                               _window_block_mask(window, cu_seqlens, key_mask, batch, seq,
+                                                  q.device))
+    # The CPU (tests): one SDPA call with the dense mask.
+    positions = torch.arange(seq, device=q.device)
+    allowed = _window_keeps(window, cu_seqlens, key_mask, batch, seq, q.device)(
+        torch.arange(batch, device=q.device)[:, None, None, None], None, positions[:, None],
+        positions)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed,
+        scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)
+
+
+def _window_keeps(window: int, cu_seqlens: tuple[int, ...] | None, key_mask: Tensor | None,
+                  batch: int, seq: int, device: torch.device):
+    """The mask function ``(b, h, q_idx, kv_idx) -> keep`` of ``_windowed_attention`` (flex
+    attention's ``mask_mod``; broadcasting index tensors give the dense mask)."""
+    sequence = None
+    if cu_seqlens is not None:
+        lengths = torch.tensor(cu_seqlens).diff()
+        sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        sequence = sequence.view(batch, seq).to(device)
+
+    def keep(b, h, q_idx, kv_idx):
+        kept = (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+        if sequence is not None:
+            kept = kept & (sequence[b, q_idx] == sequence[b, kv_idx])
+        if key_mask is not None:
+            kept = kept & key_mask[b, kv_idx]
+        return kept
+    return keep
+
+
+def _window_block_mask(window: int, cu_seqlens: tuple[int, ...] | None,
+                       key_mask: Tensor | None, batch: int, seq: int, device: torch.device):
+    """flex attention's ``BlockMask`` of ``_window_keeps``, built once while the same mask
+    tensor (or none) and arguments come back (every layer of a model's forward)."""
+    tensors = () if key_mask is None else (key_mask,)
+    return _WINDOW_BLOCK_MASK.get(
+        tensors, (window, cu_seqlens, batch, seq, device),
+        lambda: _compiled("create_block_mask")(
+            _window_keeps(window, cu_seqlens, key_mask, batch, seq, device), batch, None,
+            seq, seq, device=device))
 
 
 def _no_host_reads(q: Tensor) -> bool:

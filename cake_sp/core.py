@@ -29,7 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from cake_sp._validation import check_positive_int, check_softmax_scale, check_tensor
+from cake_sp._validation import (
+    check_positive_int,
+    check_sliding_window,
+    check_softmax_scale,
+    check_tensor,
+)
 from cake_sp.attention import attention, check_key_mask, resolve_attention_backend
 from cake_sp.kernels.producer import HEAD_DIMS
 from cake_sp.layouts import GATHER_TOKENS, SCATTER_HEADS, BandTransfer, HeadPlan
@@ -56,6 +61,8 @@ class UlyssesAttentionCore(nn.Module):
     causal : bool
         Causal attention over global token order (rank ``r``'s tokens at ``[r * S_local,
         (r + 1) * S_local)``), or bidirectional (diffusion transformers).
+    sliding_window : int, optional
+        Causal only: a query attends its last ``sliding_window`` keys (as the layer's).
     group : ProcessGroup or 1-D DeviceMesh, optional
         The sequence-parallel group (None: the default group).
     max_tokens : int
@@ -94,6 +101,7 @@ class UlyssesAttentionCore(nn.Module):
         "not be reordered by hand.")
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, causal: bool,
+                 sliding_window: int | None = None,
                  group: dist.ProcessGroup | None = None, max_tokens: int,
                  softmax_scale: float | None = None, attention_backend: str = "auto",
                  backend: str = "auto", num_slots: int = 1, wait_timeout_s: float = 30.0,
@@ -106,8 +114,9 @@ class UlyssesAttentionCore(nn.Module):
             backend = env.backend
         world = dist.get_world_size(group)
         options = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                       causal=causal, max_tokens=max_tokens, softmax_scale=softmax_scale,
-                       attention_backend=attention_backend, backend=backend,
+                       causal=causal, sliding_window=sliding_window, max_tokens=max_tokens,
+                       softmax_scale=softmax_scale, attention_backend=attention_backend,
+                       backend=backend,
                        num_slots=num_slots, wait_timeout_s=wait_timeout_s,
                        device_type=device.type)
         error = None
@@ -124,6 +133,7 @@ class UlyssesAttentionCore(nn.Module):
                                     mismatch="built the core with different options")
         self.backend, self.backend_reason = decision.backend.value, decision.reason
         self.causal, self.softmax_scale, self.max_tokens = causal, softmax_scale, max_tokens
+        self.sliding_window = sliding_window
         self.num_slots, self.device = num_slots, device
         self._group, self._timeout = group, float(wait_timeout_s)
         self.rank = dist.get_rank(group)
@@ -223,7 +233,8 @@ class UlyssesAttentionCore(nn.Module):
                        for band, own in zip((q, k, v), self._joint_bands(joint)))
         with torch.autocast(q.device.type, enabled=False):
             o = attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
-                          backend=self.attention_backend, key_mask=key_mask)
+                          backend=self.attention_backend, key_mask=key_mask,
+                          window=self.sliding_window)
         if joint is not None:
             o = self._with_joint_rows(o, joint_tokens)
         if compiling:
@@ -336,6 +347,7 @@ def _check_options(options: dict, world: int) -> HeadPlan:
         check_positive_int(name, options[name])
     if not isinstance(options["causal"], bool):
         raise TypeError(f"causal must be a bool, got {options['causal']!r}")
+    check_sliding_window(options["sliding_window"], options["causal"])
     check_softmax_scale(options["softmax_scale"])
     backends = [b.value for b in Backend]
     if options["backend"] not in backends:

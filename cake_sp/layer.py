@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from cake_sp._validation import check_softmax_scale
+from cake_sp._validation import check_sliding_window, check_softmax_scale
 from cake_sp.attention import (
     attention,
     check_cu_seqlens,
@@ -68,6 +68,10 @@ class UlyssesAttention(nn.Module):
         ``rotate_half`` pairs ``(i, i + D/2)`` (Llama, Qwen) or pairs ``(2i, 2i+1)`` (FLUX).
     causal : bool
         Causal attention over global token order (source rank, then position).
+    sliding_window : int, optional
+        Causal only: a query attends its last ``sliding_window`` keys (itself among them),
+        as transformers' ``sliding_window`` (Mistral); within its packed sequence and its
+        kept keys where ``cu_seqlens`` or ``key_mask`` is given too.
     eps : float
         RMSNorm epsilon.
     softmax_scale : float, optional
@@ -131,7 +135,8 @@ class UlyssesAttention(nn.Module):
     def __init__(self, hidden: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
                  group: dist.ProcessGroup | None = None, max_tokens: int,
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = True,
-                 rope_style: str = "neox", causal: bool = True, eps: float = 1e-6,
+                 rope_style: str = "neox", causal: bool = True,
+                 sliding_window: int | None = None, eps: float = 1e-6,
                  softmax_scale: float | None = None, attention_backend: str = "auto",
                  backend: str = "auto", o_proj: bool = True, num_slots: int = 1,
                  wait_timeout_s: float = 30.0, engine: str = "auto",
@@ -142,9 +147,9 @@ class UlyssesAttention(nn.Module):
         group = resolve_group(group)
         device = _resolve_device(device)
         options = dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, causal=causal,
-                       softmax_scale=softmax_scale, attention_backend=attention_backend,
-                       o_proj=o_proj, share_backward_exchange=share_backward_exchange,
-                       dtype=str(dtype))
+                       sliding_window=sliding_window, softmax_scale=softmax_scale,
+                       attention_backend=attention_backend, o_proj=o_proj,
+                       share_backward_exchange=share_backward_exchange, dtype=str(dtype))
         error = None
         try:
             self._check_options(options, dtype)
@@ -158,7 +163,7 @@ class UlyssesAttention(nn.Module):
                             mismatch="built the layer with different options")
         self.hidden, self.num_q_heads, self.num_kv_heads = hidden, num_q_heads, num_kv_heads
         self.head_dim, self.causal, self.max_tokens = head_dim, causal, max_tokens
-        self.softmax_scale = softmax_scale
+        self.softmax_scale, self.sliding_window = softmax_scale, sliding_window
         self.session = QkvNormRopeExchangeOverlap(
             group, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             hidden=hidden, max_tokens=max_tokens, num_slots=num_slots, rope_style=rope_style,
@@ -194,6 +199,7 @@ class UlyssesAttention(nn.Module):
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float32 (fp32 master "
                             f"weights; the layer computes in bf16 either way), got {dtype}")
         check_softmax_scale(options["softmax_scale"])
+        check_sliding_window(options["sliding_window"], options["causal"])
         if options["o_bias"] and not options["o_proj"]:
             raise ValueError("o_bias=True needs o_proj=True")
 
@@ -324,7 +330,7 @@ class UlyssesAttention(nn.Module):
         with torch.autocast(q.device.type, enabled=False):
             return attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                              backend=self.attention_backend, cu_seqlens=cu_seqlens,
-                             key_mask=key_mask)
+                             key_mask=key_mask, window=self.sliding_window)
 
     @staticmethod
     def _checked_key_mask(key_mask: Tensor | None, cu_seqlens, batch: int, seq: int,
@@ -439,5 +445,6 @@ class UlyssesAttention(nn.Module):
         return (f"hidden={self.hidden}, heads={self.num_q_heads}/{self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, world_size={plan.world_size}, "
                 f"causal={self.causal}, o_proj={self.o_weight is not None}, "
-                f"backend={self.backend!r} ({self.backend_reason}), "
+                + (f"sliding_window={self.sliding_window}, " if self.sliding_window else "")
+                + f"backend={self.backend!r} ({self.backend_reason}), "
                 f"attention_backend={self.attention_backend!r} ({self.attention_reason})")

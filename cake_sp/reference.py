@@ -265,11 +265,12 @@ def output_projection(o: Tensor, o_weight: Tensor | None, o_bias: Tensor | None,
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
               softmax_scale: float | None = None, cu_seqlens: Sequence[int] | None = None,
-              key_mask: Tensor | None = None) -> Tensor:
+              key_mask: Tensor | None = None, window: int | None = None) -> Tensor:
     """Softmax attention written out in ``q``'s dtype: ``o [B, S, Hq, D]`` from ``q [B, S, Hq,
     D]`` and ``k, v [B, S, Hkv, D]`` (query head ``h`` attends with K/V head ``h // (Hq /
     Hkv)``), causal over ``S`` if ``causal``; ``cu_seqlens`` and ``key_mask`` as in
-    ``ulysses_attention_layer``.  What ``UlyssesAttentionCore`` computes on the whole sequence."""
+    ``ulysses_attention_layer``; ``window``: a query at ``i`` sees no key at ``i - window`` or
+    before.  What ``UlyssesAttentionCore`` computes on the whole sequence."""
     batch, s, num_q_heads, d = q.shape
     group = num_q_heads // k.shape[2]
     k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
@@ -278,6 +279,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
     hidden = torch.zeros(batch, 1, s, s, dtype=torch.bool, device=scores.device)
     if causal:
         hidden |= torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+    if window is not None:
+        hidden |= torch.ones(s, s, dtype=torch.bool, device=scores.device).tril(-window)
     if cu_seqlens is not None:
         lengths = torch.tensor(cu_seqlens).diff()
         sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths)

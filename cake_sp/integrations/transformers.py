@@ -27,9 +27,11 @@ arguments, over the whole rows) are used as given instead.  ``shard_batch`` turn
 of whole rows into a rank's part: its tokens, the whole rows' bounds, and its tokens'
 targets shifted over the whole rows.
 
-Causal attention only: a 4-D mask, a sliding window or a KV cache raises ``ValueError``
-naming what is supported.  ``apply_ulysses`` turns ``use_cache`` off and has the model
-build its masks as for flash-attn: the 2-D mask where there is padding, else None.
+Causal attention, over each layer's sliding window where the model has one (Mistral's
+``sliding_window``, the sliding layers of Qwen2's and Qwen3's ``layer_types``): a 4-D mask or
+a KV cache raises ``ValueError`` naming what is supported.  ``apply_ulysses`` turns
+``use_cache`` off and has the model build its masks as for flash-attn: the 2-D mask where
+there is padding, else None.
 """
 
 from __future__ import annotations
@@ -84,8 +86,10 @@ def _attention_classes() -> tuple[type, ...]:
 
 def _sliding_window(attn: nn.Module) -> int | None:
     """The layer's sliding window, read where its model class reads it: the module's own
-    ``sliding_window`` (Qwen2, Qwen3 and their MoE models), else the config's, for the
-    layers ``config.layer_types`` marks as sliding or for every layer (Mistral, Mixtral)."""
+    ``sliding_window`` (Qwen2, Qwen3, their MoE models, dots.llm1, EXAONE 4, whose hybrid
+    configurations ``apply_ulysses`` refuses), else the config's, for the layers
+    ``config.layer_types`` marks as sliding or for every layer (Mistral, Mixtral,
+    StarCoder2)."""
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window or None
     config = attn.config
@@ -115,7 +119,7 @@ class TransformersUlyssesAttention(nn.Module):
         options = dict(
             group=group, max_tokens=math.ceil(config.max_position_embeddings / world_size),
             qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
-            qk_norm=q_norm is not None, causal=True,
+            qk_norm=q_norm is not None, causal=True, sliding_window=_sliding_window(attn),
             rope_style="interleaved" if type(attn).__name__ in INTERLEAVED_ROPE else "neox",
             eps=q_norm.variance_epsilon if q_norm is not None else 1e-6,
             softmax_scale=attn.scaling, device=weight.device, dtype=weight.dtype)
@@ -285,11 +289,10 @@ def apply_ulysses(model: nn.Module, group=None, **layer_options) -> nn.Module:
                          f"supports ({', '.join(SUPPORTED)}); found {kinds or 'none'}")
     check_adapters_merged(targets)  # before any layer allocates its buffers
     for name, attn in targets:
-        window = _sliding_window(attn)
-        if window is not None:
-            raise ValueError(f"apply_ulysses: {name} uses sliding-window attention (a window "
-                             f"of {window} tokens), which is not supported (UlyssesAttention "
-                             "is full causal attention)")
+        if getattr(attn, "is_sliding", True) is False and attn.sliding_window is not None:
+            raise ValueError(f"apply_ulysses: {name} is a global layer of EXAONE 4's hybrid "
+                             "attention, which has no RoPE: not supported (the layer rotates "
+                             "Q and K)")
     for name, attn in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -42,11 +42,12 @@ def _problem(seed: int, world: int, *, hq: int, hkv: int, batch: int, seq_local:
     return {"q": rand(hq), "k": rand(hkv), "v": rand(hkv), "dy": rand(hq)}
 
 
-def _reference(problem: dict, *, causal: bool, key_mask=None) -> tuple[list, dict]:
+def _reference(problem: dict, *, causal: bool, key_mask=None, window=None) -> tuple[list, dict]:
     """Per rank: float64 ``o`` of the whole sequence's attention, and ``dq, dk, dv`` after the
     backward of every rank's ``dy``."""
     full = {n: torch.cat(problem[n], dim=1).double().requires_grad_(True) for n in "qkv"}
-    o = reference.attention(full["q"], full["k"], full["v"], causal=causal, key_mask=key_mask)
+    o = reference.attention(full["q"], full["k"], full["v"], causal=causal, key_mask=key_mask,
+                            window=window)
     o.backward(torch.cat(problem["dy"], dim=1).double())
     seq_local = problem["q"][0].shape[1]
     return (list(o.detach().split(seq_local, dim=1)),
@@ -59,17 +60,17 @@ def _inputs(ctx, problem: dict) -> list:
 
 def _check_core(ctx, *, hq: int, hkv: int, causal: bool, seed: int, batch: int = 2,
                 seq_local: int = 13, key_mask=None, dtype=torch.bfloat16,
-                compiled: bool = False) -> dict:
+                compiled: bool = False, window: int | None = None) -> dict:
     """The core's output and ``dq, dk, dv`` against float64 attention over the whole sequence
     (``compiled``: under ``torch.compile(fullgraph=True)``, aot_eager), then its output
     without grad through the same call."""
     problem = _problem(seed, ctx.world_size, hq=hq, hkv=hkv, batch=batch, seq_local=seq_local,
                        dtype=dtype)
-    want_o, want_grads = _reference(problem, causal=causal, key_mask=key_mask)
+    want_o, want_grads = _reference(problem, causal=causal, key_mask=key_mask, window=window)
     r = ctx.rank
     mask = None if key_mask is None else key_mask.to(ctx.device)
     with UlyssesAttentionCore(hq, hkv, HEAD_DIM, causal=causal, max_tokens=MAX_TOKENS,
-                              device=ctx.device) as module:
+                              sliding_window=window, device=ctx.device) as module:
         core = torch.compile(module, backend="aot_eager", fullgraph=True) if compiled \
             else module
         q, k, v = _inputs(ctx, problem)
@@ -94,6 +95,15 @@ def _check_core(ctx, *, hq: int, hkv: int, causal: bool, seed: int, batch: int =
 def case_gqa_causal(ctx):
     w = ctx.world_size
     return _check_core(ctx, hq=2 * w, hkv=w, causal=True, seed=1)
+
+
+def case_gqa_sliding_window_key_mask(ctx):
+    """A sliding window of 6 keys (windows across every rank boundary) with a key mask."""
+    w = ctx.world_size
+    g = torch.Generator().manual_seed(9)
+    key_mask = torch.rand(2, 13 * w, generator=g) < 0.8
+    key_mask[:, 0] = True
+    return _check_core(ctx, hq=2 * w, hkv=w, causal=True, seed=4, key_mask=key_mask, window=6)
 
 
 def case_replicated_kv_bidirectional_key_mask_fp32(ctx):
@@ -205,6 +215,10 @@ def case_bad_arguments_raise_everywhere(ctx):
     out["causal_differs"] = expect_error(lambda: build(causal=ctx.rank == 0), ValueError,
                                          "different options")
     out["backend"] = expect_error(lambda: build(backend="mpi"), ValueError, "backend")
+    out["sliding_window"] = expect_error(lambda: build(sliding_window=4), ValueError,
+                                         "sliding_window=4 needs causal=True")
+    out["sliding_window_0"] = expect_error(lambda: build(causal=True, sliding_window=0),
+                                           ValueError, "sliding_window must be >= 1")
     q = torch.randn(1, 8, w, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     text = q[:, :3]
     with build(causal=True) as core:
@@ -231,7 +245,8 @@ def case_bad_arguments_raise_everywhere(ctx):
     return out
 
 
-CASES = [case_gqa_causal, case_replicated_kv_bidirectional_key_mask_fp32,
+CASES = [case_gqa_causal, case_gqa_sliding_window_key_mask,
+         case_replicated_kv_bidirectional_key_mask_fp32,
          case_gqa_causal_key_mask_compiled, case_two_cores_checkpoint_and_leases,
          case_joint_tokens_key_mask, case_bad_arguments_raise_everywhere]
 
@@ -263,6 +278,7 @@ def _check_bad_arguments(world, name, per_rank) -> str:
 
 
 CHECKS = {case_gqa_causal.__name__: _check_errors,
+          case_gqa_sliding_window_key_mask.__name__: _check_errors,
           case_gqa_causal_key_mask_compiled.__name__: _check_errors,
           case_replicated_kv_bidirectional_key_mask_fp32.__name__: _check_fp32,
           case_two_cores_checkpoint_and_leases.__name__: _check_errors,

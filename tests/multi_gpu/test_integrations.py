@@ -62,6 +62,13 @@ KINDS = {
                        shared_expert_intermediate_size=64)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    # Sliding windows of 7 keys over rows of 16 * W: windows across rank boundaries; Qwen2's
+    # layer 1 slides, layer 0 attends the whole row.
+    "mistral_sliding": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=7)),
+    "qwen2_sliding": ("Qwen2Config", "Qwen2ForCausalLM",
+                      dict(use_sliding_window=True, sliding_window=7, max_window_layers=1)),
+    "exaone4_sliding": ("Exaone4Config", "Exaone4ForCausalLM",  # every layer slides
+                        dict(sliding_window=7, layer_types=["sliding_attention"] * 2)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=4, num_experts_per_tok=2)),
     # Granite's softmax scale is its attention_multiplier, here 4x head_dim ** -0.5.  Its MoE
@@ -397,6 +404,30 @@ def case_qwen2_moe_logits(ctx):
 
 def case_mistral_logits(ctx):
     return _check_logits(ctx, "mistral")
+
+
+def case_mistral_sliding_logits(ctx):
+    return _check_logits(ctx, "mistral_sliding")
+
+
+def case_mistral_sliding_packed_logits(ctx):
+    return _check_logits(ctx, "mistral_sliding", _packed_positions(16 * ctx.world_size))
+
+
+def case_mistral_sliding_padded_logits(ctx):
+    seq = 16 * ctx.world_size
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[0, seq - 19:] = 0
+    mask[1, :16] = 0
+    return _check_logits(ctx, "mistral_sliding", torch.arange(seq).expand(2, seq), mask)
+
+
+def case_qwen2_sliding_logits(ctx):
+    return _check_logits(ctx, "qwen2_sliding")
+
+
+def case_exaone4_sliding_logits(ctx):
+    return _check_logits(ctx, "exaone4_sliding")
 
 
 def case_mixtral_logits(ctx):
@@ -1421,15 +1452,9 @@ def case_unsupported_inputs_raise(ctx):
         report["model"] = "no error"
     except ValueError as exc:
         report["model"] = str(exc)
-    for kind, options in (("mistral", dict(sliding_window=4096)),
-                          ("qwen2", dict(use_sliding_window=True, sliding_window=16,
-                                         max_window_layers=1))):
-        try:
-            apply_ulysses(_model(kind, **options))
-            report[f"{kind}_window"] = "no error"
-        except ValueError as exc:
-            report[f"{kind}_window"] = str(exc)
     report["lora"] = _refusal(apply_ulysses, _with_lora(_model("qwen3"), ["q_proj"]))
+    report["exaone4_hybrid"] = _refusal(apply_ulysses, _model(
+        "exaone4", sliding_window=4, layer_types=["sliding_attention", "full_attention"]))
     model = apply_ulysses(_model("qwen3").bfloat16().to(ctx.device))
     ids = torch.randint(0, 256, (1, 8), device=ctx.device)
     shard, positions = _shard(ctx, torch.zeros(1, 8 * ctx.world_size, device=ctx.device))
@@ -1517,7 +1542,9 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_qwen3_packed_gradients, case_qwen3_compiled_packed_gradients,
                 case_qwen3_sharded_batch_loss,
                 case_qwen2_logits, case_llama_logits, case_qwen3_moe_logits,
-                case_qwen2_moe_logits, case_mistral_logits, case_mixtral_logits,
+                case_qwen2_moe_logits, case_mistral_logits, case_mistral_sliding_logits,
+                case_mistral_sliding_packed_logits, case_mistral_sliding_padded_logits,
+                case_qwen2_sliding_logits, case_exaone4_sliding_logits, case_mixtral_logits,
                 case_granite_logits, case_granitemoe_logits, case_seed_oss_logits,
                 case_arcee_logits, case_apertus_logits, case_exaone4_logits,
                 case_gemma_logits, case_starcoder2_logits, case_helium_logits,
@@ -1577,15 +1604,13 @@ def _check_unsupported(world, name, per_rank) -> str:
     assert_no_rank_failed(world, per_rank, name)
     for r in per_rank:
         assert "Qwen3Attention, Qwen3MoeAttention, Qwen2Attention" in r["model"], r["model"]
-        assert "layers.0.self_attn uses sliding-window attention (a window of 4096 tokens)" \
-            in r["mistral_window"], r["mistral_window"]
-        assert "layers.1.self_attn uses sliding-window attention (a window of 16 tokens)" \
-            in r["qwen2_window"], r["qwen2_window"]
         assert "takes a 2-D padding mask [B, S_local] = [1, 8]" in r["mask"], r["mask"]
         assert "use_cache=False" in r["cache"], r["cache"]
         assert "cu_seq_lens_k must equal cu_seq_lens_q" in r["bounds_k"], r["bounds_k"]
         assert "cu_seqlens must be strictly increasing" in r["bounds"], r["bounds"]
         assert "model.layers.0.self_attn.q_proj" in r["lora"], r["lora"]
+        assert "layers.1.self_attn is a global layer of EXAONE 4's hybrid attention" in \
+            r["exaone4_hybrid"], r["exaone4_hybrid"]
         assert "carry adapters (LoRA) not merged" in r["lora"], r["lora"]
         assert r["dropout_eval"] == "no error", r["dropout_eval"]
         assert "attention_dropout=0.1 is not supported" in r["dropout_train"], r

@@ -329,3 +329,53 @@ def test_key_masks_keeping_different_keys(causal, layout, path, monkeypatch):
         mask = mask[[0, 1, 2, 0, 1]]
     _check_against_a_dense_mask(q, k, v, mask, causal, g)
     assert taken == path
+
+
+@pytest.mark.parametrize("masking", ["none", "cu_seqlens", "key_mask"])
+def test_a_sliding_window_matches_the_reference(masking):
+    """Each query's last ``window`` keys alone (transformers' ``sliding_window``), within its
+    packed sequence or its kept keys, against float64 attention written out; a window of the
+    whole row is plain causal attention."""
+    from cake_sp import reference
+
+    g = torch.Generator().manual_seed(9)
+    batch, seq, window = 2, 23, 5
+    q, k, v = _gqa_inputs(g, batch, seq)
+    extra = {"none": {}, "cu_seqlens": {"cu_seqlens": (0, 9, seq, seq + 4, 2 * seq)},
+             "key_mask": {"key_mask": _random_key_mask(g, batch, seq)}}[masking]
+    got = attention(q, k, v, causal=True, softmax_scale=0.3, backend="sdpa", window=window,
+                    **extra)
+    want = reference.attention(q, k, v, causal=True, softmax_scale=0.3, window=window, **extra)
+    rows = slice(None) if masking != "key_mask" else (extra["key_mask"].cumsum(1) > 0)
+    torch.testing.assert_close(got[rows], want[rows], rtol=1e-12, atol=1e-12)
+    whole = attention(q, k, v, causal=True, softmax_scale=0.3, backend="sdpa", **extra)
+    assert not torch.allclose(got[:, window:], whole[:, window:])
+    torch.testing.assert_close(
+        attention(q, k, v, causal=True, softmax_scale=0.3, backend="sdpa", window=seq, **extra),
+        whole, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("masking", ["none", "cu_seqlens", "key_mask"])
+def test_the_gpu_sliding_window_path_keeps_each_window(masking, monkeypatch):
+    """The GPU's sliding-window path (flex attention over one block mask of the window, the
+    sequences and the kept keys), run eagerly on the CPU, against the dense CPU path: rows of
+    300 tokens, windows across block edges."""
+    from torch.nn.attention import flex_attention
+
+    import cake_sp.attention as core
+
+    monkeypatch.setattr(core, "_compiled", lambda name: getattr(flex_attention, name))
+    g = torch.Generator().manual_seed(10)
+    batch, seq, window = 2, 300, 150
+    q = torch.randn(batch, seq, 4, 16, generator=g)
+    k, v = (torch.randn(batch, seq, 2, 16, generator=g) for _ in range(2))
+    cu_seqlens = (0, 100, 129, 130, seq, seq + 200, 2 * seq) if masking == "cu_seqlens" \
+        else None
+    key_mask = _random_key_mask(g, batch, seq) if masking == "key_mask" else None
+    with warnings.catch_warnings():  # flex attention's note (once) that eager is unfused
+        warnings.simplefilter("ignore", UserWarning)
+        got = core._flex_attention(q, k, v, 0.3, core._window_block_mask(
+            window, cu_seqlens, key_mask, batch, seq, q.device))
+    want = attention(q, k, v, causal=True, softmax_scale=0.3, backend="sdpa", window=window,
+                     cu_seqlens=cu_seqlens, key_mask=key_mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
