@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.multi_gpu
 
 WORLDS = [int(w) for w in os.environ.get("CAKE_SP_TEST_INTEGRATION_WORLDS", "2,4").split(",")]
-# Comma-separated case names (without "case_") to run only those (of CASES).
+# Comma-separated case names (without "case_") to run only those (of CASES and TRAINING_CASES).
 ONLY_CASES = {f"case_{c}" for c in
               os.environ.get("CAKE_SP_TEST_INTEGRATION_CASES", "").split(",") if c}
 NOISE_FACTOR = 1.5
@@ -1685,21 +1685,24 @@ def integration_verdict(world: int, name: str, per_rank: list[dict]) -> str:
         return f"FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
 
 
-def _cases() -> list:
-    unknown = ONLY_CASES - {c.__name__ for c in CASES}
+def _cases(cases: list) -> list:
+    """Those of ``cases`` that ``CAKE_SP_TEST_INTEGRATION_CASES`` selects (all without it)."""
+    unknown = ONLY_CASES - {c.__name__ for c in CASES + TRAINING_CASES}
     if unknown:
         raise ValueError(f"CAKE_SP_TEST_INTEGRATION_CASES names unknown cases {sorted(unknown)}")
-    return [c for c in CASES if not ONLY_CASES or c.__name__ in ONLY_CASES]
+    return [c for c in cases if not ONLY_CASES or c.__name__ in ONLY_CASES]
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
 def reports(request):
     pytest.importorskip("diffusers")
-    return request.param, run_cases(request.param, _cases(), integration_verdict)
+    return request.param, run_cases(request.param, _cases(CASES), integration_verdict)
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
 def training_reports(request):
+    if not _cases(TRAINING_CASES):
+        pytest.skip("CAKE_SP_TEST_INTEGRATION_CASES selects others")
     return request.param, run_cases(request.param, TRAINING_CASES, integration_verdict)
 
 
