@@ -289,7 +289,8 @@ def apply_ulysses(model: nn.Module, group=None, **layer_options) -> nn.Module:
                          f"supports ({', '.join(SUPPORTED)}); found {kinds or 'none'}")
     check_adapters_merged(targets)  # before any layer allocates its buffers
     for name, attn in targets:
-        if getattr(attn, "is_sliding", True) is False and attn.sliding_window is not None:
+        hybrid = type(attn).__name__ == "Exaone4Attention" and attn.sliding_window is not None
+        if hybrid and not attn.is_sliding:
             raise ValueError(f"apply_ulysses: {name} is a global layer of EXAONE 4's hybrid "
                              "attention, which has no RoPE: not supported (the layer rotates "
                              "Q and K)")
