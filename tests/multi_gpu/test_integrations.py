@@ -67,6 +67,8 @@ KINDS = {
     "mistral_sliding": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=7)),
     "qwen2_sliding": ("Qwen2Config", "Qwen2ForCausalLM",
                       dict(use_sliding_window=True, sliding_window=7, max_window_layers=1)),
+    "qwen3_sliding": ("Qwen3Config", "Qwen3ForCausalLM",
+                      dict(use_sliding_window=True, sliding_window=7, max_window_layers=1)),
     "exaone4_sliding": ("Exaone4Config", "Exaone4ForCausalLM",  # every layer slides
                         dict(sliding_window=7, layer_types=["sliding_attention"] * 2)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
@@ -424,6 +426,10 @@ def case_mistral_sliding_padded_logits(ctx):
 
 def case_qwen2_sliding_logits(ctx):
     return _check_logits(ctx, "qwen2_sliding")
+
+
+def case_qwen3_sliding_logits(ctx):
+    return _check_logits(ctx, "qwen3_sliding")
 
 
 def case_exaone4_sliding_logits(ctx):
@@ -1544,7 +1550,8 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_qwen2_logits, case_llama_logits, case_qwen3_moe_logits,
                 case_qwen2_moe_logits, case_mistral_logits, case_mistral_sliding_logits,
                 case_mistral_sliding_packed_logits, case_mistral_sliding_padded_logits,
-                case_qwen2_sliding_logits, case_exaone4_sliding_logits, case_mixtral_logits,
+                case_qwen2_sliding_logits, case_qwen3_sliding_logits,
+                case_exaone4_sliding_logits, case_mixtral_logits,
                 case_granite_logits, case_granitemoe_logits, case_seed_oss_logits,
                 case_arcee_logits, case_apertus_logits, case_exaone4_logits,
                 case_gemma_logits, case_starcoder2_logits, case_helium_logits,
