@@ -206,8 +206,8 @@ class JointTextAttnProcessor(CoreAttnProcessor):
         if image_rotary_emb is not None:
             q, k = (apply_rotary_emb(t, image_rotary_emb, sequence_dim=1) for t in (q, k))
         text_qkv = project_heads(attn, encoder_hidden_states, *added)
-        whole_text = None if self.text_shards is None else self.text_shards.tokens
-        if whole_text is None:
+        split_text = self.text_shards is not None and self.text_shards.tokens is not None
+        if not split_text:
             o = self.core(q, k, v, joint=text_qkv,
                           key_mask=self._key_mask(attention_mask, q.shape[0], video, text,
                                                   q.device))
