@@ -204,13 +204,7 @@ def _windowed_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | 
             from flash_attn import flash_attn_func
             return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=True,
                                    window_size=window_size)
-        from flash_attn import flash_attn_varlen_func
-        tokens = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
-        bounds, longest = _varlen_bounds(cu_seqlens, q.device)
-        o = flash_attn_varlen_func(*tokens, bounds, bounds, longest, longest,
-                                   softmax_scale=softmax_scale, causal=True,
-                                   window_size=window_size)
-        return o.view(batch, seq, *o.shape[1:])
+        return _flash_varlen(q, k, v, True, softmax_scale, cu_seqlens, window_size)
     if q.device.type == "cuda":
         return _flex_attention(q, k, v, softmax_scale,
                                _window_block_mask(window, cu_seqlens, key_mask, batch, seq,
@@ -230,11 +224,7 @@ def _window_keeps(window: int, cu_seqlens: tuple[int, ...] | None, key_mask: Ten
                   batch: int, seq: int, device: torch.device):
     """The mask function ``(b, h, q_idx, kv_idx) -> keep`` of ``_windowed_attention`` (flex
     attention's ``mask_mod``; broadcasting index tensors give the dense mask)."""
-    sequence = None
-    if cu_seqlens is not None:
-        lengths = torch.tensor(cu_seqlens).diff()
-        sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        sequence = sequence.view(batch, seq).to(device)
+    sequence = None if cu_seqlens is None else _sequence_ids(cu_seqlens, batch, seq, device)
 
     def keep(b, h, q_idx, kv_idx):
         kept = (q_idx >= kv_idx) & (q_idx - kv_idx < window)
@@ -385,12 +375,7 @@ def _packed_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool,
                       cu_seqlens: tuple[int, ...]) -> Tensor:
     batch, seq = q.shape[:2]
     if backend == "flash":
-        from flash_attn import flash_attn_varlen_func
-        tokens = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
-        bounds, longest = _varlen_bounds(cu_seqlens, q.device)
-        o = flash_attn_varlen_func(*tokens, bounds, bounds, longest, longest,
-                                   softmax_scale=softmax_scale, causal=causal)
-        return o.view(batch, seq, *o.shape[1:])
+        return _flash_varlen(q, k, v, causal, softmax_scale, cu_seqlens)
     if q.device.type == "cuda":
         return _flex_attention(q, k, v, softmax_scale,
                                _document_mask(cu_seqlens, batch, seq, causal, q.device))
@@ -398,6 +383,20 @@ def _packed_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool,
     tokens = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
     o = torch.cat([_sdpa(*(t[None, a:b] for t in tokens), causal, softmax_scale)[0]
                    for a, b in zip(cu_seqlens, cu_seqlens[1:])])
+    return o.view(batch, seq, *o.shape[1:])
+
+
+def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None,
+                  cu_seqlens: tuple[int, ...], window_size: tuple[int, int] = (-1, -1)
+                  ) -> Tensor:
+    """flash-attn's varlen call over the packed sequences of ``q, k, v [B, S, H, D]``."""
+    from flash_attn import flash_attn_varlen_func
+    batch, seq = q.shape[:2]
+    tokens = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
+    bounds, longest = _varlen_bounds(cu_seqlens, q.device)
+    o = flash_attn_varlen_func(*tokens, bounds, bounds, longest, longest,
+                               softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size)
     return o.view(batch, seq, *o.shape[1:])
 
 
@@ -444,14 +443,20 @@ def _key_block_mask(key_mask: Tensor, causal: bool):
         key_kept, batch, None, seq, seq, device=key_mask.device))
 
 
+def _sequence_ids(cu_seqlens: tuple[int, ...], batch: int, seq: int,
+                  device: torch.device) -> Tensor:
+    """int64 ``[B, S]``: the index of the packed sequence each token belongs to."""
+    lengths = torch.tensor(cu_seqlens).diff()
+    sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return sequence.view(batch, seq).to(device)
+
+
 @functools.lru_cache(maxsize=4)
 def _document_mask(cu_seqlens: tuple[int, ...], batch: int, seq: int, causal: bool,
                    device: torch.device):
     """flex attention's ``BlockMask`` of packed sequences (causal within each if ``causal``),
     built once per distinct ``cu_seqlens``: every layer of a model forward shares it."""
-    lengths = torch.tensor(cu_seqlens).diff()
-    sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    sequence = sequence.view(batch, seq).to(device)
+    sequence = _sequence_ids(cu_seqlens, batch, seq, device)
 
     def same_sequence(b, h, q_idx, kv_idx):
         keep = sequence[b, q_idx] == sequence[b, kv_idx]
