@@ -22,6 +22,10 @@ class LastInputs:
         self._inputs: tuple[Tensor, ...] = ()
         self._value = None
 
+    def clear(self) -> None:
+        """Forget the last result (the next ``get`` builds)."""
+        self._key, self._inputs, self._value = (), (), None
+
     def get(self, tensors: Sequence[Tensor], args: tuple, build: Callable):
         if torch.compiler.is_compiling():
             return build()

@@ -49,12 +49,13 @@ def check_tensor(name: str, value: object, *, dtypes: Sequence[torch.dtype] | No
         raise ValueError(f"{arg} must have a unit stride in its last dim, got {describe(value)}")
 
 
-def check_softmax_scale(scale: object) -> None:
-    """Raise ``ValueError`` unless ``scale`` is None or a positive finite number."""
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
-                                  and scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number or None, got "
-                         f"{scale!r}")
+def check_positive_number(name: str, value: object) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is None or a positive finite
+    number (``softmax_scale``, ``softcap``)."""
+    if value is not None and not (isinstance(value, (int, float))
+                                  and not isinstance(value, bool) and math.isfinite(value)
+                                  and value > 0):
+        raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
 
 
 def check_sliding_window(window: object, causal: object) -> None:

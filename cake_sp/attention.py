@@ -48,6 +48,12 @@ mask); otherwise a GPU runs flex attention with one block mask of everything (bu
 per mask tensor or ``cu_seqlens``: the blocks out of every window are skipped), and the CPU
 one SDPA call with the dense mask.  A window of ``S`` or more keys is plain causal
 attention.
+
+Soft-capped logits.  ``softcap`` (Gemma 2's ``attn_logit_softcapping``): the scaled logits
+``s`` become ``softcap * tanh(s / softcap)`` before the mask and the softmax.  flash-attn
+applies it (``softcap=``; not with a key mask); otherwise a GPU runs flex attention with the
+cap as its ``score_mod`` and one block mask of every mask above (none where nothing is
+masked), and the CPU the logits written out (in fp32 at least) with the dense mask.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ _BOOL_KEY_MASK = LastInputs()
 # The kept keys' indices of a mask tensor (a host read), likewise.
 _KEPT_KEYS = LastInputs()
 # The block mask of a sliding window (with a key mask or packed sequences), likewise.
-_WINDOW_BLOCK_MASK = LastInputs()
+_BLOCK_MASK = LastInputs()
 
 
 @functools.cache
@@ -166,13 +172,18 @@ def _shorten(bounds: tuple) -> str:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float | None,
               backend: str, cu_seqlens: tuple[int, ...] | None = None,
-              key_mask: Tensor | None = None, window: int | None = None) -> Tensor:
+              key_mask: Tensor | None = None, window: int | None = None,
+              softcap: float | None = None) -> Tensor:
     """``o [B, S, Hq, D]`` from ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` (a resolved
     ``backend``); with ``cu_seqlens`` (checked by ``check_cu_seqlens``) each packed sequence
     attends only to itself; with ``key_mask`` (bool ``[B, S]``, checked by
     ``check_key_mask``; not with ``cu_seqlens``) no query attends to a masked key; with
-    ``window`` (causal only) a query attends its last ``window`` keys alone."""
+    ``window`` (causal only) a query attends its last ``window`` keys alone; with ``softcap``
+    the logits are soft-capped."""
     batch, seq = q.shape[:2]
+    if softcap is not None:
+        return _softcapped_attention(q, k, v, causal, softmax_scale, backend, softcap,
+                                     cu_seqlens, key_mask, window)
     if window is not None and window < seq:
         return _windowed_attention(q, k, v, softmax_scale, backend, window, cu_seqlens,
                                    key_mask)
@@ -187,8 +198,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: f
     if cu_seqlens is not None and cu_seqlens != row_bounds(batch, seq):
         return _packed_attention(q, k, v, causal, softmax_scale, backend, cu_seqlens)
     if backend == "flash":
-        from flash_attn import flash_attn_func
-        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+        return _flash(q, k, v, causal, softmax_scale, None)
     return _sdpa(q, k, v, causal, softmax_scale)
 
 
@@ -199,52 +209,103 @@ def _windowed_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | 
     sequence and its kept keys (``attention``'s notes)."""
     batch, seq = q.shape[:2]
     if backend == "flash" and key_mask is None:
-        window_size = (window - 1, 0)
-        if cu_seqlens is None or cu_seqlens == row_bounds(batch, seq):
-            from flash_attn import flash_attn_func
-            return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=True,
-                                   window_size=window_size)
-        return _flash_varlen(q, k, v, True, softmax_scale, cu_seqlens, window_size)
+        return _flash(q, k, v, True, softmax_scale, cu_seqlens, (window - 1, 0))
     if q.device.type == "cuda":
         return _flex_attention(q, k, v, softmax_scale,
-                               _window_block_mask(window, cu_seqlens, key_mask, batch, seq,
-                                                  q.device))
+                               _block_mask(True, window, cu_seqlens, key_mask, batch, seq,
+                                           q.device))
     # The CPU (tests): one SDPA call with the dense mask.
-    positions = torch.arange(seq, device=q.device)
-    allowed = _window_keeps(window, cu_seqlens, key_mask, batch, seq, q.device)(
-        torch.arange(batch, device=q.device)[:, None, None, None], None, positions[:, None],
-        positions)
     o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed,
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=_dense_mask(True, window, cu_seqlens, key_mask, batch, seq, q.device),
         scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2)
 
 
-def _window_keeps(window: int, cu_seqlens: tuple[int, ...] | None, key_mask: Tensor | None,
-                  batch: int, seq: int, device: torch.device):
-    """The mask function ``(b, h, q_idx, kv_idx) -> keep`` of ``_windowed_attention`` (flex
+def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                          softmax_scale: float | None, backend: str, softcap: float,
+                          cu_seqlens: tuple[int, ...] | None, key_mask: Tensor | None,
+                          window: int | None) -> Tensor:
+    """``attention`` with soft-capped logits (``attention``'s notes)."""
+    batch, seq = q.shape[:2]
+    if window is not None and window >= seq:
+        window = None
+    if cu_seqlens is not None and cu_seqlens == row_bounds(batch, seq):
+        cu_seqlens = None
+    if backend == "flash" and key_mask is None:
+        return _flash(q, k, v, causal, softmax_scale, cu_seqlens,
+                      (-1, -1) if window is None else (window - 1, 0), softcap)
+    masked = causal or any(m is not None for m in (window, cu_seqlens, key_mask))
+    if q.device.type == "cuda":
+        block_mask = _block_mask(causal, window, cu_seqlens, key_mask, batch, seq,
+                                 q.device) if masked else None
+        return _flex_attention(q, k, v, softmax_scale, block_mask, _capped_scores(softcap))
+    # The CPU (tests): the logits written out, in fp32 at least.
+    group = q.shape[2] // k.shape[2]
+    work = torch.promote_types(q.dtype, torch.float32)
+    qh, kh, vh = (t.transpose(1, 2).to(work) for t in (q, k, v))
+    kh, vh = (t.repeat_interleave(group, dim=1) for t in (kh, vh))
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    scores = _capped_scores(softcap)(qh @ kh.transpose(-1, -2) * scale, None, None, None, None)
+    if masked:
+        allowed = _dense_mask(causal, window, cu_seqlens, key_mask, batch, seq, q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        # A query with no key to attend: zeros, as flex attention gives (its row is NaN).
+        probs = scores.softmax(dim=-1).masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
+    else:
+        probs = scores.softmax(dim=-1)
+    return (probs @ vh).to(q.dtype).transpose(1, 2)
+
+
+@functools.cache
+def _capped_scores(softcap: float):
+    """flex attention's ``score_mod`` capping the scaled logits at ``softcap`` (one function a
+    value, so that the compiled flex attention is reused)."""
+    def capped(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+    return capped
+
+
+def _keeps(causal: bool, window: int | None, cu_seqlens: tuple[int, ...] | None,
+           key_mask: Tensor | None, batch: int, seq: int, device: torch.device):
+    """The mask function ``(b, h, q_idx, kv_idx) -> keep`` of causality, a window (causal
+    only), packed sequences and a key mask, each where given, at least one (flex
     attention's ``mask_mod``; broadcasting index tensors give the dense mask)."""
     sequence = None if cu_seqlens is None else _sequence_ids(cu_seqlens, batch, seq, device)
 
     def keep(b, h, q_idx, kv_idx):
-        kept = (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+        rules = []
+        if causal:
+            rules.append(q_idx >= kv_idx)
+        if window is not None:
+            rules.append(q_idx - kv_idx < window)
         if sequence is not None:
-            kept = kept & (sequence[b, q_idx] == sequence[b, kv_idx])
+            rules.append(sequence[b, q_idx] == sequence[b, kv_idx])
         if key_mask is not None:
-            kept = kept & key_mask[b, kv_idx]
-        return kept
+            rules.append(key_mask[b, kv_idx])
+        return functools.reduce(operator.and_, rules)
     return keep
 
 
-def _window_block_mask(window: int, cu_seqlens: tuple[int, ...] | None,
-                       key_mask: Tensor | None, batch: int, seq: int, device: torch.device):
-    """flex attention's ``BlockMask`` of ``_window_keeps``, built once while the same mask
-    tensor (or none) and arguments come back (every layer of a model's forward)."""
+def _dense_mask(causal: bool, window: int | None, cu_seqlens: tuple[int, ...] | None,
+                key_mask: Tensor | None, batch: int, seq: int, device: torch.device) -> Tensor:
+    """bool ``[B, 1, S, S]``: ``_keeps`` over every query and key."""
+    positions = torch.arange(seq, device=device)
+    allowed = _keeps(causal, window, cu_seqlens, key_mask, batch, seq, device)(
+        torch.arange(batch, device=device)[:, None, None, None], None, positions[:, None],
+        positions)
+    return allowed.expand(batch, 1, seq, seq)
+
+
+def _block_mask(causal: bool, window: int | None, cu_seqlens: tuple[int, ...] | None,
+                key_mask: Tensor | None, batch: int, seq: int, device: torch.device):
+    """flex attention's ``BlockMask`` of ``_keeps``, built once while the same mask tensor (or
+    none) and arguments come back (every layer of a model's forward)."""
     tensors = () if key_mask is None else (key_mask,)
-    return _WINDOW_BLOCK_MASK.get(
-        tensors, (window, cu_seqlens, batch, seq, device),
+    return _BLOCK_MASK.get(
+        tensors, (causal, window, cu_seqlens, batch, seq, device),
         lambda: _compiled("create_block_mask")(
-            _window_keeps(window, cu_seqlens, key_mask, batch, seq, device), batch, None,
+            _keeps(causal, window, cu_seqlens, key_mask, batch, seq, device), batch, None,
             seq, seq, device=device))
 
 
@@ -375,7 +436,7 @@ def _packed_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool,
                       cu_seqlens: tuple[int, ...]) -> Tensor:
     batch, seq = q.shape[:2]
     if backend == "flash":
-        return _flash_varlen(q, k, v, causal, softmax_scale, cu_seqlens)
+        return _flash(q, k, v, causal, softmax_scale, cu_seqlens)
     if q.device.type == "cuda":
         return _flex_attention(q, k, v, softmax_scale,
                                _document_mask(cu_seqlens, batch, seq, causal, q.device))
@@ -386,29 +447,33 @@ def _packed_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool,
     return o.view(batch, seq, *o.shape[1:])
 
 
-def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None,
-                  cu_seqlens: tuple[int, ...], window_size: tuple[int, int] = (-1, -1)
-                  ) -> Tensor:
-    """flash-attn's varlen call over the packed sequences of ``q, k, v [B, S, H, D]``."""
-    from flash_attn import flash_attn_varlen_func
+def _flash(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None,
+           cu_seqlens: tuple[int, ...] | None, window_size: tuple[int, int] = (-1, -1),
+           softcap: float = 0.0) -> Tensor:
+    """flash-attn over ``q, k, v [B, S, H, D]``: each row one sequence (``cu_seqlens`` None or
+    the rows' own bounds), else one varlen call over the packed sequences."""
     batch, seq = q.shape[:2]
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                   softcap=softcap)
+    if cu_seqlens is None or cu_seqlens == row_bounds(batch, seq):
+        from flash_attn import flash_attn_func
+        return flash_attn_func(q, k, v, **options)
+    from flash_attn import flash_attn_varlen_func
     tokens = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]
     bounds, longest = _varlen_bounds(cu_seqlens, q.device)
-    o = flash_attn_varlen_func(*tokens, bounds, bounds, longest, longest,
-                               softmax_scale=softmax_scale, causal=causal,
-                               window_size=window_size)
+    o = flash_attn_varlen_func(*tokens, bounds, bounds, longest, longest, **options)
     return o.view(batch, seq, *o.shape[1:])
 
 
 def _flex_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None,
-                    block_mask) -> Tensor:
+                    block_mask, score_mod=None) -> Tensor:
     # Always the main flex kernel: below 128 queries Inductor takes its decoding kernel, which
     # packs a K/V head's query heads into one block of next_pow2(S x group) rows and has no
     # configuration once that exceeds the block mask's 128 rows (NoValidChoicesError at S = 88
     # with two query heads a K/V head, PyTorch 2.11).
     o = _compiled("flex_attention")(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
-        scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
+        block_mask=block_mask, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
         kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
     return o.transpose(1, 2)
 

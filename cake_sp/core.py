@@ -31,8 +31,8 @@ from torch import Tensor, nn
 
 from cake_sp._validation import (
     check_positive_int,
+    check_positive_number,
     check_sliding_window,
-    check_softmax_scale,
     check_tensor,
 )
 from cake_sp.attention import attention, check_key_mask, resolve_attention_backend
@@ -69,12 +69,21 @@ class UlyssesAttentionCore(nn.Module):
         Most rows ``B * S_local`` one call may have; the exchanges' buffers are sized from it.
     softmax_scale : float, optional
         Defaults to ``head_dim ** -0.5``.
+    softcap : float, optional
+        Soft-capped attention logits (as the layer's).
     attention_backend : {"auto", "sdpa", "flash"}
         See ``cake_sp.attention``.
     backend : {"auto", "nvlink", "nccl"}
         The exchanges' backend, decided as the layer's (``QkvNormRopeExchangeOverlap``).
     num_slots : int
         Calls under autograd that may await their backward at once (as the layer's).
+    share_backward_exchange : bool
+        The backward's scatter of ``d_o`` by heads goes through one slot shared by every
+        core of the same shape on the group (the default), read by this core's attention
+        backward, next.  ``False`` gives the core a slot of its own: for a module holding
+        two cores of one shape that is compiled whole (SD3.5's dual-attention blocks), as
+        Inductor may run both cores' output backwards before either attention backward
+        (the second then raises ``SlotInUseError`` on every rank; nothing is overwritten).
     wait_timeout_s : float
         How long a GPU wait for a peer's data may take before the call is marked timed out.
     device : optional
@@ -92,19 +101,21 @@ class UlyssesAttentionCore(nn.Module):
     arguments, or every rank raises the same error.  So is every call.
     """
 
-    # A call holds its own attention, so its output step's backward is followed by that
-    # attention's backward before any other core's: the shared slot of ``d_o`` is read at
-    # once, and this stays unseen unless a caller reorders the backward by hand.
+    # A call holds its own attention, so eagerly its output step's backward is followed by
+    # that attention's backward before any other core's: the shared slot of ``d_o`` is read
+    # at once.  A compiled graph holding two cores may order their backwards otherwise.
     BACKWARD_SLOT_REMEDY = (
         "A second core's output backward ran before the attention backward that reads the "
-        "first one's d_o; the cores of one shape share that slot, so their backwards must "
-        "not be reordered by hand.")
+        "first one's d_o (the cores of one shape share that slot), as Inductor may order the "
+        "backward of a compiled module holding two cores: build one of them with "
+        "share_backward_exchange=False (a slot of its own).")
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, causal: bool,
                  sliding_window: int | None = None,
                  group: dist.ProcessGroup | None = None, max_tokens: int,
-                 softmax_scale: float | None = None, attention_backend: str = "auto",
-                 backend: str = "auto", num_slots: int = 1, wait_timeout_s: float = 30.0,
+                 softmax_scale: float | None = None, softcap: float | None = None,
+                 attention_backend: str = "auto", backend: str = "auto", num_slots: int = 1,
+                 share_backward_exchange: bool = True, wait_timeout_s: float = 30.0,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         group = resolve_group(group)
@@ -115,10 +126,11 @@ class UlyssesAttentionCore(nn.Module):
         world = dist.get_world_size(group)
         options = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        causal=causal, sliding_window=sliding_window, max_tokens=max_tokens,
-                       softmax_scale=softmax_scale, attention_backend=attention_backend,
+                       softmax_scale=softmax_scale, softcap=softcap,
+                       attention_backend=attention_backend,
                        backend=backend,
-                       num_slots=num_slots, wait_timeout_s=wait_timeout_s,
-                       device_type=device.type)
+                       num_slots=num_slots, share_backward_exchange=share_backward_exchange,
+                       wait_timeout_s=wait_timeout_s, device_type=device.type)
         error = None
         try:
             self.plan = _check_options(options, world)
@@ -133,8 +145,9 @@ class UlyssesAttentionCore(nn.Module):
                                     mismatch="built the core with different options")
         self.backend, self.backend_reason = decision.backend.value, decision.reason
         self.causal, self.softmax_scale, self.max_tokens = causal, softmax_scale, max_tokens
-        self.sliding_window = sliding_window
+        self.sliding_window, self.softcap = sliding_window, softcap
         self.num_slots, self.device = num_slots, device
+        self._share_scatter = share_backward_exchange
         self._group, self._timeout = group, float(wait_timeout_s)
         self.rank = dist.get_rank(group)
         plan = self.plan
@@ -181,7 +194,8 @@ class UlyssesAttentionCore(nn.Module):
         """The gather by tokens of the attention's output and, for a call whose backward will
         run, the scatter by heads of its gradient (else None); as ``scatter_exchanges``."""
         return (self._exchange("gather_o", own=for_backward),
-                self._exchange("scatter_do", own=False) if for_backward else None)
+                self._exchange("scatter_do", own=not self._share_scatter) if for_backward
+                else None)
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -234,7 +248,7 @@ class UlyssesAttentionCore(nn.Module):
         with torch.autocast(q.device.type, enabled=False):
             o = attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                           backend=self.attention_backend, key_mask=key_mask,
-                          window=self.sliding_window)
+                          window=self.sliding_window, softcap=self.softcap)
         if joint is not None:
             o = self._with_joint_rows(o, joint_tokens)
         if compiling:
@@ -348,7 +362,8 @@ def _check_options(options: dict, world: int) -> HeadPlan:
     if not isinstance(options["causal"], bool):
         raise TypeError(f"causal must be a bool, got {options['causal']!r}")
     check_sliding_window(options["sliding_window"], options["causal"])
-    check_softmax_scale(options["softmax_scale"])
+    for name in ("softmax_scale", "softcap"):
+        check_positive_number(name, options[name])
     backends = [b.value for b in Backend]
     if options["backend"] not in backends:
         raise ValueError(f"backend must be one of {backends}, got {options['backend']!r}")

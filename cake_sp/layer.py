@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from cake_sp._validation import check_sliding_window, check_softmax_scale
+from cake_sp._validation import check_positive_number, check_sliding_window
 from cake_sp.attention import (
     attention,
     check_cu_seqlens,
@@ -64,6 +64,11 @@ class UlyssesAttention(nn.Module):
         Whether the projections have biases.
     qk_norm : bool
         Per-head RMSNorm of Q and K before RoPE (Qwen3, FLUX); off for Llama/Qwen2.
+    qk_norm_offset : float
+        The norms scale by ``qk_norm_offset + q_norm_weight`` (and ``k_norm_weight``):
+        0 (Qwen3, FLUX), or 1 for Gemma 3's zero-centred weights (``1 + w``).  The sum is
+        taken in fp32 and rounded to bf16 once per forward (the front end takes bf16 norm
+        weights; Gemma multiplies by it in fp32: within one bf16 rounding of the scale).
     rope_style : {"neox", "interleaved"}
         ``rotate_half`` pairs ``(i, i + D/2)`` (Llama, Qwen) or pairs ``(2i, 2i+1)`` (FLUX).
     causal : bool
@@ -76,6 +81,9 @@ class UlyssesAttention(nn.Module):
         RMSNorm epsilon.
     softmax_scale : float, optional
         Defaults to ``head_dim ** -0.5``.
+    softcap : float, optional
+        Soft-capped attention logits: the scaled logits ``s`` become ``softcap * tanh(s /
+        softcap)`` (Gemma 2's ``attn_logit_softcapping``; ``cake_sp.attention``).
     attention_backend : {"auto", "sdpa", "flash"}
         See ``cake_sp.attention``; ``extra_repr`` shows the choice and why.
     backend : {"auto", "nvlink", "nccl"}
@@ -135,19 +143,21 @@ class UlyssesAttention(nn.Module):
     def __init__(self, hidden: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
                  group: dist.ProcessGroup | None = None, max_tokens: int,
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = True,
-                 rope_style: str = "neox", causal: bool = True,
+                 qk_norm_offset: float = 0.0, rope_style: str = "neox", causal: bool = True,
                  sliding_window: int | None = None, eps: float = 1e-6,
-                 softmax_scale: float | None = None, attention_backend: str = "auto",
-                 backend: str = "auto", o_proj: bool = True, num_slots: int = 1,
-                 wait_timeout_s: float = 30.0, engine: str = "auto",
+                 softmax_scale: float | None = None, softcap: float | None = None,
+                 attention_backend: str = "auto", backend: str = "auto", o_proj: bool = True,
+                 num_slots: int = 1, wait_timeout_s: float = 30.0, engine: str = "auto",
                  save_projection: bool = False, share_backward_exchange: bool = True,
                  slot_pool: str | None = "default", device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         group = resolve_group(group)
         device = _resolve_device(device)
-        options = dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, causal=causal,
+        options = dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm,
+                       qk_norm_offset=qk_norm_offset, causal=causal,
                        sliding_window=sliding_window, softmax_scale=softmax_scale,
+                       softcap=softcap,
                        attention_backend=attention_backend, o_proj=o_proj,
                        share_backward_exchange=share_backward_exchange, dtype=str(dtype))
         error = None
@@ -164,6 +174,8 @@ class UlyssesAttention(nn.Module):
         self.hidden, self.num_q_heads, self.num_kv_heads = hidden, num_q_heads, num_kv_heads
         self.head_dim, self.causal, self.max_tokens = head_dim, causal, max_tokens
         self.softmax_scale, self.sliding_window = softmax_scale, sliding_window
+        self.softcap = softcap
+        self.qk_norm_offset = float(qk_norm_offset)
         self.session = QkvNormRopeExchangeOverlap(
             group, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             hidden=hidden, max_tokens=max_tokens, num_slots=num_slots, rope_style=rope_style,
@@ -198,13 +210,20 @@ class UlyssesAttention(nn.Module):
         if dtype not in PARAM_DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float32 (fp32 master "
                             f"weights; the layer computes in bf16 either way), got {dtype}")
-        check_softmax_scale(options["softmax_scale"])
+        for name in ("softmax_scale", "softcap"):
+            check_positive_number(name, options[name])
         check_sliding_window(options["sliding_window"], options["causal"])
+        offset = options["qk_norm_offset"]
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)) or \
+                not math.isfinite(offset):
+            raise ValueError(f"qk_norm_offset must be a finite float (0, or 1 for Gemma 3's "
+                             f"1 + w), got {offset!r}")
         if options["o_bias"] and not options["o_proj"]:
             raise ValueError("o_bias=True needs o_proj=True")
 
     def reset_parameters(self) -> None:
-        """``nn.Linear``'s initialisation for the projections; ones for the norm weights."""
+        """``nn.Linear``'s initialisation for the projections; norm weights that scale by
+        one (ones, or zeros with ``qk_norm_offset=1``)."""
         for weight, bias in ((self.qkv_weight, self.qkv_bias), (self.o_weight, self.o_bias)):
             if weight is None:
                 continue
@@ -214,7 +233,7 @@ class UlyssesAttention(nn.Module):
                 nn.init.uniform_(bias, -bound, bound)
         for norm in (self.q_norm_weight, self.k_norm_weight):
             if norm is not None:
-                nn.init.ones_(norm)
+                nn.init.constant_(norm, 1.0 - self.qk_norm_offset)
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -299,12 +318,18 @@ class UlyssesAttention(nn.Module):
                                           torch.is_autocast_enabled(x.device.type)):
             x = x.to(torch.bfloat16)
         # Differentiable casts: fp32 master weights get fp32 gradients (no-ops for bf16).
-        params = [None if p is None else p.to(torch.bfloat16)
-                  for p in (self.qkv_weight, self.qkv_bias, self.q_norm_weight,
-                            self.k_norm_weight)]
-        qkv_weight, qkv_bias, q_norm, k_norm = params
+        qkv_weight, qkv_bias = [None if p is None else p.to(torch.bfloat16)
+                                for p in (self.qkv_weight, self.qkv_bias)]
+        q_norm, k_norm = [None if p is None else self._norm_scale(p)
+                          for p in (self.q_norm_weight, self.k_norm_weight)]
         with torch.autocast(x.device.type, enabled=False):
             return self.session(x, qkv_weight, q_norm, k_norm, rope_cos_sin, positions, qkv_bias)
+
+    def _norm_scale(self, weight: Tensor) -> Tensor:
+        """What a norm multiplies by, bf16 ``[D]``: ``qk_norm_offset + weight``."""
+        if not self.qk_norm_offset:
+            return weight.to(torch.bfloat16)
+        return (weight.float() + self.qk_norm_offset).to(torch.bfloat16)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *,
                cu_seqlens: Sequence[int] | Tensor | None = None,
@@ -330,7 +355,8 @@ class UlyssesAttention(nn.Module):
         with torch.autocast(q.device.type, enabled=False):
             return attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                              backend=self.attention_backend, cu_seqlens=cu_seqlens,
-                             key_mask=key_mask, window=self.sliding_window)
+                             key_mask=key_mask, window=self.sliding_window,
+                             softcap=self.softcap)
 
     @staticmethod
     def _checked_key_mask(key_mask: Tensor | None, cu_seqlens, batch: int, seq: int,
@@ -446,5 +472,7 @@ class UlyssesAttention(nn.Module):
                 f"head_dim={self.head_dim}, world_size={plan.world_size}, "
                 f"causal={self.causal}, o_proj={self.o_weight is not None}, "
                 + (f"sliding_window={self.sliding_window}, " if self.sliding_window else "")
+                + (f"qk_norm_offset={self.qk_norm_offset}, " if self.qk_norm_offset else "")
+                + (f"softcap={self.softcap}, " if self.softcap is not None else "")
                 + f"backend={self.backend!r} ({self.backend_reason}), "
                 f"attention_backend={self.attention_backend!r} ({self.attention_reason})")

@@ -229,6 +229,7 @@ def ulysses_attention_layer(
     softmax_scale: float | None = None,
     cu_seqlens: Sequence[int] | None = None,
     key_mask: Tensor | None = None,
+    softcap: float | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> list[Tensor]:
     """The whole layer on the full sequence, in ``dtype`` with no intermediate rounding:
@@ -240,7 +241,7 @@ def ulysses_attention_layer(
     a ``[max_pos, D]`` table indexed by ``positions[r] [B, S_local]``.  ``cu_seqlens``:
     sequences packed along the ``B * S`` tokens (row by row); a token then attends only to
     tokens of its own sequence.  ``key_mask [B, S]``: no token attends to a key where it is
-    False (or 0).  Differentiable:
+    False (or 0).  ``softcap``: as ``attention``'s.  Differentiable:
     with inputs that require grad, autograd of this function is the gradient reference.
     Returns per rank ``y [B, S_local, hidden]`` (``[B, S_local, Hq * D]`` without ``o_weight``).
     """
@@ -249,7 +250,7 @@ def ulysses_attention_layer(
         qkv_bias=qkv_bias, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
         positions=positions, rope_style=rope_style, eps=eps, dtype=dtype)
     o = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                  key_mask=key_mask).flatten(2)
+                  key_mask=key_mask, softcap=softcap).flatten(2)
     return output_projection(o, o_weight, o_bias, seq_local=xs[0].shape[1])
 
 
@@ -265,17 +266,22 @@ def output_projection(o: Tensor, o_weight: Tensor | None, o_bias: Tensor | None,
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
               softmax_scale: float | None = None, cu_seqlens: Sequence[int] | None = None,
-              key_mask: Tensor | None = None, window: int | None = None) -> Tensor:
+              key_mask: Tensor | None = None, window: int | None = None,
+              softcap: float | None = None) -> Tensor:
     """Softmax attention written out in ``q``'s dtype: ``o [B, S, Hq, D]`` from ``q [B, S, Hq,
     D]`` and ``k, v [B, S, Hkv, D]`` (query head ``h`` attends with K/V head ``h // (Hq /
     Hkv)``), causal over ``S`` if ``causal``; ``cu_seqlens`` and ``key_mask`` as in
     ``ulysses_attention_layer``; ``window``: a query at ``i`` sees no key at ``i - window`` or
-    before.  What ``UlyssesAttentionCore`` computes on the whole sequence."""
+    before; ``softcap``: the scaled logits ``s`` become ``softcap * tanh(s / softcap)``
+    (Gemma 2's ``attn_logit_softcapping``).  What ``UlyssesAttentionCore`` computes on the
+    whole sequence."""
     batch, s, num_q_heads, d = q.shape
     group = num_q_heads // k.shape[2]
     k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     hidden = torch.zeros(batch, 1, s, s, dtype=torch.bool, device=scores.device)
     if causal:
         hidden |= torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)

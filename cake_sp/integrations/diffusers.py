@@ -488,10 +488,13 @@ def _apply_video(model: nn.Module, group, max_tokens: int, core_options: dict) -
                                                HunyuanVideoSingleTransformerBlock),
                                               {"attn": JointTextAttnProcessor}),
              CogVideoXTransformer3DModel: ((CogVideoXBlock,), {"attn1": JointTextAttnProcessor}),
-             SD3Transformer2DModel: ((JointTransformerBlock,),  # attn2: SD3.5's, or None
+             # attn2: SD3.5's, or None; its core has a d_o slot of its own, as a compiled
+             # block may run both cores' output backwards before either attention backward.
+             SD3Transformer2DModel: ((JointTransformerBlock,),
                                      {"attn": functools.partial(JointTextAttnProcessor,
                                                                 text_shards=text_shards),
-                                      "attn2": PlainSelfAttnProcessor})}
+                                      "attn2": functools.partial(PlainSelfAttnProcessor,
+                                                                 share_backward_exchange=False)})}
     for model_class, (block_classes, processors) in kinds.items():
         if isinstance(model, (model_class, *block_classes)):
             if getattr(getattr(model, "config", None), "image_condition_type", None) == \

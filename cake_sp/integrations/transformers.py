@@ -1,7 +1,8 @@
 """``apply_ulysses(model)``: Ulysses sequence parallelism for a transformers decoder model.
 
 Every attention module of a Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama, Mistral, Mixtral,
-Granite, Granite-MoE, Seed-OSS, Arcee, Apertus or EXAONE 4 model (``SUPPORTED``) is replaced
+Granite, Granite-MoE, Seed-OSS, Arcee, Apertus, EXAONE 4, Gemma, Gemma 3 (text), StarCoder2,
+Helium, dots.llm1 or Gemma 2 model (``SUPPORTED``) is replaced
 by ``TransformersUlyssesAttention``: a ``UlyssesAttention`` holding the same weights
 (``q_proj``, ``k_proj``, ``v_proj`` fused into ``qkv_weight``; per-head QK-norm weights where
 the model has them; its softmax scale) behind the module's own call contract
@@ -28,10 +29,12 @@ of whole rows into a rank's part: its tokens, the whole rows' bounds, and its to
 targets shifted over the whole rows.
 
 Causal attention, over each layer's sliding window where the model has one (Mistral's
-``sliding_window``, the sliding layers of Qwen2's and Qwen3's ``layer_types``): a 4-D mask or
-a KV cache raises ``ValueError`` naming what is supported.  ``apply_ulysses`` turns
-``use_cache`` off and has the model build its masks as for flash-attn: the 2-D mask where
-there is padding, else None.
+``sliding_window``, the sliding layers of Qwen2's, Qwen3's and the Gemmas' ``layer_types``),
+with Gemma 2's soft-capped logits: a 4-D mask or a KV cache raises ``ValueError`` naming what
+is supported, and so do what the layer does not compute (the Gemmas' bidirectional
+configurations, models whose masks flash-attn cannot express, as Gemma 3's image tokens).
+``apply_ulysses`` turns ``use_cache`` off and has the model build its masks as for
+flash-attn: the 2-D mask where there is padding, else None.
 """
 
 from __future__ import annotations
@@ -59,13 +62,24 @@ SUPPORTED = {"Qwen3Attention": "qwen3", "Qwen3MoeAttention": "qwen3_moe",
              "ArceeAttention": "arcee", "ApertusAttention": "apertus",
              "Exaone4Attention": "exaone4", "GemmaAttention": "gemma",
              "Starcoder2Attention": "starcoder2", "HeliumAttention": "helium",
-             "Dots1Attention": "dots1"}
+             "Dots1Attention": "dots1", "Gemma2Attention": "gemma2",
+             "Gemma3Attention": "gemma3"}
 # Those that rotate channel pairs (2i, 2i + 1) rather than (i, i + D/2).
 INTERLEAVED_ROPE = {"HeliumAttention"}
+# Those whose QK norms scale by 1 + weight (zero-centred weights): UlyssesAttention's
+# qk_norm_offset.
+NORM_OFFSETS = {"Gemma3Attention": 1.0}
+# Models whose masks flash-attn cannot express (image tokens attending both ways).
+BEYOND_FLASH_MASKS = {"Gemma3Model"}
 # The name apply_ulysses gives the model's attention implementation (config._attn_implementation).
 ATTENTION_IMPLEMENTATION = "cake_sp_ulysses"
 # One table and one packing per model forward, shared by the layers (they get the same
-# position embeddings, position ids and given bounds).
+# position embeddings, position ids and given bounds).  The packing's derivation is
+# collective, so whether a layer derives it must be the same on every rank: it is keyed on
+# the position ids alone (one tensor for every layer of a forward, on every rank), not on
+# the masks (a model of sliding and global layers gives each kind its own mask tensor on
+# the ranks with padding, and None on the others), and cleared as the model's decoder
+# starts a forward (``_clear_packing``).
 _ROPE_TABLE = LastInputs()
 _PACKING = LastInputs()
 
@@ -116,12 +130,16 @@ class TransformersUlyssesAttention(nn.Module):
         self.train(attn.training)  # the replaced module's mode, as model.eval() left it
         q_norm = getattr(attn, "q_norm", None)
         weight = attn.q_proj.weight
+        kind = type(attn).__name__
         options = dict(
             group=group, max_tokens=math.ceil(config.max_position_embeddings / world_size),
             qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
-            qk_norm=q_norm is not None, causal=True, sliding_window=_sliding_window(attn),
-            rope_style="interleaved" if type(attn).__name__ in INTERLEAVED_ROPE else "neox",
-            eps=q_norm.variance_epsilon if q_norm is not None else 1e-6,
+            qk_norm=q_norm is not None, qk_norm_offset=NORM_OFFSETS.get(kind, 0.0),
+            causal=True, sliding_window=_sliding_window(attn),
+            softcap=getattr(attn, "attn_logit_softcapping", None),
+            rope_style="interleaved" if kind in INTERLEAVED_ROPE else "neox",
+            # Gemma 3's norms name it eps, the others variance_epsilon.
+            eps=getattr(q_norm, "variance_epsilon", getattr(q_norm, "eps", 1e-6)),
             softmax_scale=attn.scaling, device=weight.device, dtype=weight.dtype)
         options.update(layer_options)
         self.layer = UlyssesAttention(config.hidden_size, config.num_attention_heads,
@@ -184,8 +202,14 @@ def _packing(position_ids: Tensor | None, attention_mask: Tensor | None, batch: 
         found = sequence_bounds(position_ids, attention_mask, batch, seq_local, group)
         return None if found is None else torch.tensor(found)
 
-    tensors = [t for t in (position_ids, attention_mask) if t is not None]
-    return _PACKING.get(tensors, (batch, seq_local, group, attention_mask is None), bounds)
+    tensors = [] if position_ids is None else [position_ids]
+    return _PACKING.get(tensors, (batch, seq_local, group), bounds)
+
+
+def _clear_packing(module: nn.Module, args: tuple) -> None:
+    """A forward pre-hook of the modules holding the replaced layers: a new forward derives
+    its own packing (``_PACKING``)."""
+    _PACKING.clear()
 
 
 @torch.compiler.disable
@@ -288,17 +312,18 @@ def apply_ulysses(model: nn.Module, group=None, **layer_options) -> nn.Module:
         raise ValueError(f"apply_ulysses: {type(model).__name__} has no attention module it "
                          f"supports ({', '.join(SUPPORTED)}); found {kinds or 'none'}")
     check_adapters_merged(targets)  # before any layer allocates its buffers
+    _check_masks_expressible(model)
     for name, attn in targets:
-        hybrid = type(attn).__name__ == "Exaone4Attention" and attn.sliding_window is not None
-        if hybrid and not attn.is_sliding:
-            raise ValueError(f"apply_ulysses: {name} is a global layer of EXAONE 4's hybrid "
-                             "attention, which has no RoPE: not supported (the layer rotates "
-                             "Q and K)")
+        _check_attention_supported(name, attn)
     for name, attn in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, TransformersUlyssesAttention(attn, group=group, world_size=world,
                                                             **layer_options))
+    # The decoders (``model.layers`` of a ...ForCausalLM: what runs the layers of one forward).
+    decoders = {name.partition(".layers.")[0] if ".layers." in name else "" for name, _ in targets}
+    for name in decoders:
+        (model.get_submodule(name) if name else model).register_forward_pre_hook(_clear_packing)
     config = getattr(model, "config", None)
     if config is not None:
         config.use_cache = False
@@ -308,6 +333,33 @@ def apply_ulysses(model: nn.Module, group=None, **layer_options) -> nn.Module:
         AttentionInterface.register(ATTENTION_IMPLEMENTATION, _not_replaced)
         config._attn_implementation = ATTENTION_IMPLEMENTATION
     return model
+
+
+def _check_masks_expressible(model: nn.Module) -> None:
+    """Raise for a model with a part whose masks are more than padding, packing and windows
+    (Gemma 3's bidirectional image tokens): the drop-in, which reads flash-attn's masks,
+    would attend causally instead.  Such a part declares flash-attn unsupported (transformers
+    5), or is one that ``BEYOND_FLASH_MASKS`` names (for transformers before that)."""
+    for name, module in model.named_modules():
+        if getattr(type(module), "_supports_flash_attn", True) is False or \
+                type(module).__name__ in BEYOND_FLASH_MASKS:
+            raise ValueError(f"apply_ulysses: {name or 'the model'} ({type(module).__name__}) "
+                             "has attention masks flash-attn cannot express (it does not "
+                             "support flash-attn), nor can cake_sp's Ulysses attention; apply "
+                             "it to the text model alone where the inputs are text")
+
+
+def _check_attention_supported(name: str, attn: nn.Module) -> None:
+    """Raise for an attention module whose computation the layer does not reproduce."""
+    kind = type(attn).__name__
+    if kind == "Exaone4Attention" and attn.sliding_window is not None and not attn.is_sliding:
+        raise ValueError(f"apply_ulysses: {name} is a global layer of EXAONE 4's hybrid "
+                         "attention, which has no RoPE: not supported (the layer rotates "
+                         "Q and K)")
+    if not getattr(attn, "is_causal", True):
+        raise ValueError(f"apply_ulysses: {name} attends bidirectionally "
+                         "(use_bidirectional_attention=True): not supported (the drop-in is "
+                         "for causal language models)")
 
 
 def shard_batch(batch: Mapping[str, Tensor], group=None, *, pad_token_id: int = 0,

@@ -72,18 +72,24 @@ def make_layer_problem(seed: int, world: int, *, hidden: int, num_q_heads: int,
 def reference_layer(problem: LayerProblem, *, num_q_heads: int, num_kv_heads: int,
                     rope_style: str, causal: bool,
                     cu_seqlens: tuple[int, ...] | None = None,
-                    key_mask: Tensor | None = None) -> tuple[list[Tensor], dict]:
+                    key_mask: Tensor | None = None,
+                    qk_norm_offset: float = 0.0,
+                    softcap: float | None = None) -> tuple[list[Tensor], dict]:
     """The float64 reference's outputs and, after backward with ``problem.dys``, the
-    gradients: ``{"x": [per rank], name: full-sequence parameter gradient}``."""
+    gradients: ``{"x": [per rank], name: full-sequence parameter gradient}``.  The norms
+    scale by ``qk_norm_offset + weight``."""
     xs = [x.double().requires_grad_(True) for x in problem.xs]
     params = {k: None if v is None else v.double().requires_grad_(True)
               for k, v in problem.params.items()}
+    q_scale, k_scale = [None if w is None else qk_norm_offset + w
+                        for w in (params["q_norm_weight"], params["k_norm_weight"])]
     ys = reference.ulysses_attention_layer(
         xs, params["qkv_weight"], params["o_weight"], problem.tables,
         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, qkv_bias=params["qkv_bias"],
-        o_bias=params["o_bias"], q_norm_weight=params["q_norm_weight"],
-        k_norm_weight=params["k_norm_weight"], positions=problem.positions,
-        rope_style=rope_style, causal=causal, cu_seqlens=cu_seqlens, key_mask=key_mask)
+        o_bias=params["o_bias"], q_norm_weight=q_scale, k_norm_weight=k_scale,
+        positions=problem.positions,
+        rope_style=rope_style, causal=causal, cu_seqlens=cu_seqlens, key_mask=key_mask,
+        softcap=softcap)
     torch.autograd.backward(ys, [dy.double() for dy in problem.dys])
     grads = {"x": [x.grad for x in xs]}
     grads.update({k: v.grad for k, v in params.items() if v is not None})

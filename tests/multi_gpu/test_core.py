@@ -42,12 +42,13 @@ def _problem(seed: int, world: int, *, hq: int, hkv: int, batch: int, seq_local:
     return {"q": rand(hq), "k": rand(hkv), "v": rand(hkv), "dy": rand(hq)}
 
 
-def _reference(problem: dict, *, causal: bool, key_mask=None, window=None) -> tuple[list, dict]:
+def _reference(problem: dict, *, causal: bool, key_mask=None, window=None,
+               softcap=None) -> tuple[list, dict]:
     """Per rank: float64 ``o`` of the whole sequence's attention, and ``dq, dk, dv`` after the
     backward of every rank's ``dy``."""
     full = {n: torch.cat(problem[n], dim=1).double().requires_grad_(True) for n in "qkv"}
     o = reference.attention(full["q"], full["k"], full["v"], causal=causal, key_mask=key_mask,
-                            window=window)
+                            window=window, softcap=softcap)
     o.backward(torch.cat(problem["dy"], dim=1).double())
     seq_local = problem["q"][0].shape[1]
     return (list(o.detach().split(seq_local, dim=1)),
@@ -60,17 +61,20 @@ def _inputs(ctx, problem: dict) -> list:
 
 def _check_core(ctx, *, hq: int, hkv: int, causal: bool, seed: int, batch: int = 2,
                 seq_local: int = 13, key_mask=None, dtype=torch.bfloat16,
-                compiled: bool = False, window: int | None = None) -> dict:
+                compiled: bool = False, window: int | None = None,
+                softcap: float | None = None) -> dict:
     """The core's output and ``dq, dk, dv`` against float64 attention over the whole sequence
     (``compiled``: under ``torch.compile(fullgraph=True)``, aot_eager), then its output
     without grad through the same call."""
     problem = _problem(seed, ctx.world_size, hq=hq, hkv=hkv, batch=batch, seq_local=seq_local,
                        dtype=dtype)
-    want_o, want_grads = _reference(problem, causal=causal, key_mask=key_mask, window=window)
+    want_o, want_grads = _reference(problem, causal=causal, key_mask=key_mask, window=window,
+                                    softcap=softcap)
     r = ctx.rank
     mask = None if key_mask is None else key_mask.to(ctx.device)
     with UlyssesAttentionCore(hq, hkv, HEAD_DIM, causal=causal, max_tokens=MAX_TOKENS,
-                              sliding_window=window, device=ctx.device) as module:
+                              sliding_window=window, softcap=softcap,
+                              device=ctx.device) as module:
         core = torch.compile(module, backend="aot_eager", fullgraph=True) if compiled \
             else module
         q, k, v = _inputs(ctx, problem)
@@ -106,6 +110,17 @@ def case_gqa_sliding_window_key_mask(ctx):
     return _check_core(ctx, hq=2 * w, hkv=w, causal=True, seed=4, key_mask=key_mask, window=6)
 
 
+def case_softcap_sliding_window_key_mask(ctx):
+    """Gemma 2's attention: logits soft-capped at 1 (most of them reach it), a sliding window
+    of 6 keys across every rank boundary, a key mask."""
+    w = ctx.world_size
+    g = torch.Generator().manual_seed(12)
+    key_mask = torch.rand(2, 13 * w, generator=g) < 0.8
+    key_mask[:, 0] = True
+    return _check_core(ctx, hq=2 * w, hkv=w, causal=True, seed=5, key_mask=key_mask, window=6,
+                       softcap=1.0)
+
+
 def case_replicated_kv_bidirectional_key_mask_fp32(ctx):
     """Hkv < W (each K/V head goes to several ranks; its gradient is their sum), a key mask,
     fp32 inputs (cast to bf16; fp32 gradients)."""
@@ -130,8 +145,9 @@ def case_gqa_causal_key_mask_compiled(ctx):
 
 def case_two_cores_checkpoint_and_leases(ctx):
     """Two cores of one shape awaiting one backward (one of them under activation
-    checkpointing) get their own correct gradients; a second forward of a one-slot core
-    before its backward raises on every rank before sending anything."""
+    checkpointing, with a d_o slot of its own) get their own correct gradients; a second
+    forward of a one-slot core before its backward raises on every rank before sending
+    anything."""
     w, r, dev = ctx.world_size, ctx.rank, ctx.device
     problems = [_problem(10 + i, w, hq=w, hkv=w, batch=1, seq_local=9) for i in range(2)]
     wants = [_reference(p, causal=True) for p in problems]
@@ -139,7 +155,9 @@ def case_two_cores_checkpoint_and_leases(ctx):
     with UlyssesAttentionCore(w, w, HEAD_DIM, causal=True, max_tokens=MAX_TOKENS,
                               device=dev) as first, \
             UlyssesAttentionCore(w, w, HEAD_DIM, causal=True, max_tokens=MAX_TOKENS,
-                                 device=dev) as second:
+                                 share_backward_exchange=False, device=dev) as second:
+        report["own_d_o_slot"] = second.output_exchanges(True)[1] is not \
+            first.output_exchanges(True)[1]
         ins = [_inputs(ctx, p) for p in problems]
         o1 = first(*ins[0])
         o2 = checkpoint(second, *ins[1], use_reentrant=False)
@@ -246,7 +264,7 @@ def case_bad_arguments_raise_everywhere(ctx):
 
 
 CASES = [case_gqa_causal, case_gqa_sliding_window_key_mask,
-         case_replicated_kv_bidirectional_key_mask_fp32,
+         case_softcap_sliding_window_key_mask, case_replicated_kv_bidirectional_key_mask_fp32,
          case_gqa_causal_key_mask_compiled, case_two_cores_checkpoint_and_leases,
          case_joint_tokens_key_mask, case_bad_arguments_raise_everywhere]
 
@@ -259,6 +277,7 @@ def _check_errors(world, name, per_rank) -> str:
         if "no_grad_equal" in report:
             assert report["no_grad_equal"] and report["no_grad_kept"], report
             assert not report["no_grad_graph"], report
+        assert report.get("own_d_o_slot", True), "share_backward_exchange=False shared d_o"
     return summary
 
 
@@ -279,6 +298,7 @@ def _check_bad_arguments(world, name, per_rank) -> str:
 
 CHECKS = {case_gqa_causal.__name__: _check_errors,
           case_gqa_sliding_window_key_mask.__name__: _check_errors,
+          case_softcap_sliding_window_key_mask.__name__: _check_errors,
           case_gqa_causal_key_mask_compiled.__name__: _check_errors,
           case_replicated_kv_bidirectional_key_mask_fp32.__name__: _check_fp32,
           case_two_cores_checkpoint_and_leases.__name__: _check_errors,

@@ -86,6 +86,16 @@ KINDS = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM",  # per-head QK-norm, global layers
                 dict(sliding_window=None, layer_types=["full_attention"] * 2)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    # Gemma 2: soft-capped logits (a cap small enough to matter at random initialisation:
+    # without it the logits are 6 % off), a sliding layer then a global one.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(sliding_window=7, layer_types=["sliding_attention", "full_attention"],
+                    query_pre_attn_scalar=32, attn_logit_softcapping=0.02)),
+    # Gemma 3: QK norms scaling by 1 + w, a sliding layer (local RoPE base) then a global one,
+    # the softmax scale query_pre_attn_scalar ** -0.5 (not head_dim's).
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(sliding_window=7, layer_types=["sliding_attention", "full_attention"],
+                    query_pre_attn_scalar=32)),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM",  # biases on q, k, v and o
                    dict(sliding_window=None)),
     "helium": ("HeliumConfig", "HeliumForCausalLM",  # o_proj is hidden x hidden
@@ -115,6 +125,17 @@ def _model(kind: str, **options):
     return getattr(transformers, KINDS[kind][1])(_tiny_config(kind, **options)).float()
 
 
+def _randomise_qk_norms(model: nn.Module) -> None:
+    """Perturb every QK-norm weight by its own random values (the models initialise them to
+    one constant, 1 or Gemma 3's 0), so that a weight applied to the wrong head or channel,
+    or by the wrong convention, shows."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+
+
 def _shard(ctx, ids):
     s = ids.shape[1] // ctx.world_size
     first = ctx.rank * s
@@ -122,18 +143,22 @@ def _shard(ctx, ids):
     return slice(first, first + s), positions
 
 
-def _check_logits(ctx, kind, positions=None, mask=None, bounds=None):
+def _check_logits(ctx, kind, positions=None, mask=None, bounds=None, contrast=None):
     """The drop-in's logits on this rank's tokens against the unmodified model's on the whole
     rows, two rows of ``16 * W`` tokens.  Without ``positions`` each row is one sequence;
     with them (and a padding ``mask``) the unmodified model builds its own packed or padding
     mask from the same arguments, the comparison covers the real tokens only, and
     ``unpacked_rel_error`` is the distance from that model with an all-ones mask (no packing,
     no padding).  ``bounds``: the drop-in gets them as ``cu_seq_lens_q``/``cu_seq_lens_k``
-    (transformers' flash-attn keyword arguments) and must not derive its own."""
+    (transformers' flash-attn keyword arguments) and must not derive its own.  ``contrast``:
+    config options of a model that differs where the drop-in must follow the model
+    (``contrast_rel_error``: its distance from the reference, which must be far)."""
     from cake_sp.integrations import close
     from cake_sp.integrations.transformers import TransformersUlyssesAttention, apply_ulysses
 
-    fp32 = _model(kind).eval().to(ctx.device)
+    fp32 = _model(kind).eval()
+    _randomise_qk_norms(fp32)
+    fp32 = fp32.to(ctx.device)
     bf16 = copy.deepcopy(fp32).bfloat16()
     ours = apply_ulysses(copy.deepcopy(bf16))
     replaced = sum(isinstance(m, TransformersUlyssesAttention) for m in ours.modules())
@@ -161,6 +186,11 @@ def _check_logits(ctx, kind, positions=None, mask=None, bounds=None):
                        **flash_kwargs).logits[real]
         report = {"replaced": replaced, "rel_error": relative_error(got, want),
                   "bf16_rel_error": relative_error(peer, want)}
+        if contrast is not None:
+            other = _model(kind, **contrast).eval()
+            _randomise_qk_norms(other)
+            report["contrast_rel_error"] = relative_error(
+                whole_rows(other.to(ctx.device), mask), want)
         if sequences:
             # An all-ones mask turns transformers' packing off: the sequences see each other.
             report["unpacked_rel_error"] = relative_error(
@@ -210,15 +240,21 @@ def case_qwen3_packed_logits_given_bounds(ctx):
     return _check_logits(ctx, "qwen3", positions, bounds=starts.to(torch.int32))
 
 
-def case_qwen3_padded_logits(ctx):
-    """Padding: row 0 padded on the right over the last rank boundary, row 1 on the left up to
-    rank 0's last token.  The positions run on through the padding, so only the mask tells
-    where it is."""
+def _check_padded_logits(ctx, kind: str) -> dict:
+    """``_check_logits`` with row 0 padded at its end (19 tokens: across a rank boundary),
+    row 1 at its start (rank 0's 16 tokens), so at W >= 4 some ranks have no padding."""
     seq = 16 * ctx.world_size
     mask = torch.ones(2, seq, dtype=torch.long)
     mask[0, seq - 19:] = 0
     mask[1, :16] = 0
-    return _check_logits(ctx, "qwen3", torch.arange(seq).expand(2, seq), mask)
+    return _check_logits(ctx, kind, torch.arange(seq).expand(2, seq), mask)
+
+
+def case_qwen3_padded_logits(ctx):
+    """Padding: row 0 padded on the right over the last rank boundary, row 1 on the left up to
+    rank 0's last token.  The positions run on through the padding, so only the mask tells
+    where it is."""
+    return _check_padded_logits(ctx, "qwen3")
 
 
 def _gradients_in_drop_in_layout(model) -> dict:
@@ -384,6 +420,20 @@ def case_gemma_logits(ctx):
     return _check_logits(ctx, "gemma")
 
 
+def case_gemma2_logits(ctx):
+    return _check_logits(ctx, "gemma2", contrast=dict(attn_logit_softcapping=None))
+
+
+def case_gemma3_logits(ctx):
+    return _check_logits(ctx, "gemma3")
+
+
+def case_gemma3_padded_logits(ctx):
+    """Padding on some ranks only (W >= 4), where a sliding and a global layer get masks of
+    their own: every rank must derive the packing alike (it once hung here)."""
+    return _check_padded_logits(ctx, "gemma3")
+
+
 def case_starcoder2_logits(ctx):
     return _check_logits(ctx, "starcoder2")
 
@@ -417,11 +467,7 @@ def case_mistral_sliding_packed_logits(ctx):
 
 
 def case_mistral_sliding_padded_logits(ctx):
-    seq = 16 * ctx.world_size
-    mask = torch.ones(2, seq, dtype=torch.long)
-    mask[0, seq - 19:] = 0
-    mask[1, :16] = 0
-    return _check_logits(ctx, "mistral_sliding", torch.arange(seq).expand(2, seq), mask)
+    return _check_padded_logits(ctx, "mistral_sliding")
 
 
 def case_qwen2_sliding_logits(ctx):
@@ -1461,6 +1507,9 @@ def case_unsupported_inputs_raise(ctx):
     report["lora"] = _refusal(apply_ulysses, _with_lora(_model("qwen3"), ["q_proj"]))
     report["exaone4_hybrid"] = _refusal(apply_ulysses, _model(
         "exaone4", sliding_window=4, layer_types=["sliding_attention", "full_attention"]))
+    report["bidirectional"] = _refusal(apply_ulysses,
+                                       _model("gemma3", use_bidirectional_attention=True))
+    report["image_masks"] = _refusal(apply_ulysses, _gemma3_with_vision())
     model = apply_ulysses(_model("qwen3").bfloat16().to(ctx.device))
     ids = torch.randint(0, 256, (1, 8), device=ctx.device)
     shard, positions = _shard(ctx, torch.zeros(1, 8 * ctx.world_size, device=ctx.device))
@@ -1488,6 +1537,19 @@ def case_unsupported_inputs_raise(ctx):
         report["dropout_train"] = _refusal(lambda m: m(ids, position_ids=positions), model)
     close(model)
     return report
+
+
+def _gemma3_with_vision() -> nn.Module:
+    """A tiny Gemma 3 with its vision tower (image tokens attend bidirectionally)."""
+    import transformers
+
+    text = _tiny_config("gemma3")
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(),
+                                       vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    return transformers.Gemma3ForConditionalGeneration(config)
 
 
 def _train(ctx, model, ids, targets, steps, *, sequence_parallel, checkpointing=False,
@@ -1554,7 +1616,9 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_exaone4_sliding_logits, case_mixtral_logits,
                 case_granite_logits, case_granitemoe_logits, case_seed_oss_logits,
                 case_arcee_logits, case_apertus_logits, case_exaone4_logits,
-                case_gemma_logits, case_starcoder2_logits, case_helium_logits,
+                case_gemma_logits, case_gemma2_logits, case_gemma3_logits,
+                case_gemma3_padded_logits,
+                case_starcoder2_logits, case_helium_logits,
                 case_dots1_logits,
                 case_flux_single_block, case_flux_dual_block, case_flux_dual_block_gradients,
                 case_flux_transformer, case_flux_transformer_compiled,
@@ -1599,6 +1663,9 @@ def _check_outputs(world, name, per_rank) -> str:
     if "unmasked_rel_error" in per_rank[0]:  # so must the mask (9-11x on the CPU, ~1x with it)
         farthest = max(r["unmasked_rel_error"] / r["bf16_rel_error"] for r in per_rank)
         assert farthest > 5, f"W={world} {name}: without the mask the same outputs"
+    if "contrast_rel_error" in per_rank[0]:  # and what the model differs by
+        farthest = max(r["contrast_rel_error"] / r["bf16_rel_error"] for r in per_rank)
+        assert farthest > 5, f"W={world} {name}: the contrasting model gives the same outputs"
     if "without_lora_rel_error" in per_rank[0]:  # and the adapters
         nearest = min(r["without_lora_rel_error"] / r["bf16_rel_error"] for r in per_rank)
         assert nearest > 5, f"W={world} {name}: without the adapters the same outputs"
@@ -1619,10 +1686,12 @@ def _check_unsupported(world, name, per_rank) -> str:
         assert "layers.1.self_attn is a global layer of EXAONE 4's hybrid attention" in \
             r["exaone4_hybrid"], r["exaone4_hybrid"]
         assert "carry adapters (LoRA) not merged" in r["lora"], r["lora"]
+        assert "use_bidirectional_attention=True): not supported" in r["bidirectional"], r
+        assert "masks flash-attn cannot express" in r["image_masks"], r["image_masks"]
         assert r["dropout_eval"] == "no error", r["dropout_eval"]
         assert "attention_dropout=0.1 is not supported" in r["dropout_train"], r
-    return ("unsupported model, mask, cache, bad cu_seq_lens, an unmerged LoRA and attention "
-            "dropout in training raised")
+    return ("unsupported model, mask, cache, bad cu_seq_lens, an unmerged LoRA, attention "
+            "dropout in training, bidirectional attention and Gemma 3's image masks raised")
 
 
 def _check_flux_bad_inputs(world, name, per_rank) -> str:

@@ -98,21 +98,28 @@ def _errors(ctx, y, dx, grads, want_y, want_grads) -> dict:
 
 def _check_layer(ctx, kind, *, batch=2, seq_local=13, rope_style="neox", causal=True,
                  qkv_bias=True, o_bias=True, qk_norm=True, o_proj=True, positions=False,
-                 seed=0, cu_seqlens=None, key_mask=None, compiled=False, **session_options):
+                 seed=0, cu_seqlens=None, key_mask=None, compiled=False, qk_norm_offset=0.0,
+                 softcap=None, **session_options):
     """The layer's output and every gradient against the float64 layer's (``compiled``: the
-    layer under ``torch.compile``, aot_eager), then its output without grad."""
+    layer under ``torch.compile``, aot_eager), then its output without grad.
+    ``qk_norm_offset``: the norm weights are drawn that much lower (Gemma's zero-centred
+    weights for 1), so the norms' scale stays near one."""
     hq, hkv = _heads(ctx.world_size, kind)
     options = dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, o_proj=o_proj)
     problem = make_layer_problem(seed, ctx.world_size, hidden=HIDDEN, num_q_heads=hq,
                                  num_kv_heads=hkv, head_dim=HEAD_DIM, batch=batch,
                                  seq_local=seq_local, positions=positions, **options)
+    for name in ("q_norm_weight", "k_norm_weight"):
+        if problem.params[name] is not None:
+            problem.params[name] = problem.params[name] - qk_norm_offset
     want_y, want_grads = reference_layer(problem, num_q_heads=hq, num_kv_heads=hkv,
                                          rope_style=rope_style, causal=causal,
                                          cu_seqlens=None if cu_seqlens is None
                                          else tuple(torch.as_tensor(cu_seqlens).tolist()),
-                                         key_mask=key_mask)
+                                         key_mask=key_mask, qk_norm_offset=qk_norm_offset,
+                                         softcap=softcap)
     with _build(ctx, hq, hkv, rope_style=rope_style, causal=causal, **options,
-                **session_options) as layer:
+                qk_norm_offset=qk_norm_offset, softcap=softcap, **session_options) as layer:
         _load(layer, problem.params)
         # Packed calls break the graph by design (``UlyssesAttention.forward``); others may not.
         call = torch.compile(layer, backend="aot_eager",
@@ -159,6 +166,20 @@ def case_mha_interleaved_noncausal_positions_no_bias(ctx):
 
 def case_gqa_replicate_tails_no_norm(ctx):
     return _check_layer(ctx, "gqa_replicate", qk_norm=False, seq_local=7, o_bias=False)
+
+
+def case_gemma_norm_offset_fp32_master_weights(ctx):
+    """Gemma 3's norms (scale ``1 + w``, ``w`` near zero) on fp32 master weights: the
+    scale's gradient reaches ``w`` in fp32."""
+    return _check_layer(ctx, "gqa_split", qk_norm_offset=1.0, dtype=torch.float32, seed=5)
+
+
+def case_softcap_packed_sequences(ctx):
+    """Soft-capped logits (Gemma 2's; a cap of 2, which most logits here reach) over packed
+    sequences, one across the rank boundary."""
+    s = 13 * ctx.world_size
+    return _check_layer(ctx, "gqa_split", softcap=2.0, cu_seqlens=[0, 10, s, s + 3, 2 * s],
+                        seed=6)
 
 
 def case_cublas_engine_saved_projection(ctx):
@@ -649,6 +670,12 @@ def case_bad_arguments_raise_everywhere(ctx):
             ValueError, "attention_backend must be one of"),
         "heads": expect_error(lambda: UlyssesAttention(HIDDEN, w + 1, 1, HEAD_DIM, **base),
                                ValueError, "divisible by the world size"),
+        "softcap": expect_error(
+            lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base, softcap=0.0),
+            ValueError, "softcap must be a positive finite number or None"),
+        "qk_norm_offset": expect_error(
+            lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base, qk_norm_offset="1"),
+            ValueError, "qk_norm_offset must be a finite float"),
         "slot_pool": expect_error(lambda: UlyssesAttention(HIDDEN, w, w, HEAD_DIM, **base,
                                                             slot_pool=""),
                                    TypeError, "slot_pool must be None or a non-empty str"),
@@ -797,6 +824,7 @@ def case_gpu_graph_capture_and_back_to_back(ctx):
 CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no_bias,
          case_gqa_replicate_tails_no_norm, case_no_o_proj_flux_like,
          case_cublas_engine_saved_projection, case_cublas_engine_recomputed_positions,
+         case_gemma_norm_offset_fp32_master_weights, case_softcap_packed_sequences,
          case_packed_sequences, case_packed_sequences_compiled, case_key_mask,
          case_key_mask_bidirectional_kept_keys, case_key_mask_causal_padded_rows,
          case_key_mask_noncausal_compiled,
@@ -806,7 +834,7 @@ CASES = [case_gqa_split_neox_causal, case_mha_interleaved_noncausal_positions_no
          case_torch_compile_fullgraph, case_checkpoint_and_inference,
          case_bad_arguments_raise_everywhere, case_fsdp2_on_a_2d_mesh, case_gpu_real_shape,
          case_gpu_graph_capture_and_back_to_back]
-REFERENCE_CASES = CASES[:13] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
+REFERENCE_CASES = CASES[:15] + [case_fsdp2_on_a_2d_mesh, case_gpu_real_shape]
 GPU_CASES = {case_gpu_real_shape.__name__, case_gpu_graph_capture_and_back_to_back.__name__}
 
 

@@ -374,8 +374,89 @@ def test_the_gpu_sliding_window_path_keeps_each_window(masking, monkeypatch):
     key_mask = _random_key_mask(g, batch, seq) if masking == "key_mask" else None
     with warnings.catch_warnings():  # flex attention's note (once) that eager is unfused
         warnings.simplefilter("ignore", UserWarning)
-        got = core._flex_attention(q, k, v, 0.3, core._window_block_mask(
-            window, cu_seqlens, key_mask, batch, seq, q.device))
+        got = core._flex_attention(q, k, v, 0.3, core._block_mask(
+            True, window, cu_seqlens, key_mask, batch, seq, q.device))
     want = attention(q, k, v, causal=True, softmax_scale=0.3, backend="sdpa", window=window,
                      cu_seqlens=cu_seqlens, key_mask=key_mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+SOFTCAP_MASKINGS = ["none", "causal", "window", "cu_seqlens", "key_mask"]
+
+
+def _softcap_problem(masking: str, seq: int):
+    """``q, k, v`` float64 (GQA 4/2, D = 8, logits large enough for a cap of 1 to matter), and
+    ``attention``'s keyword arguments of ``masking``."""
+    g = torch.Generator().manual_seed(11)
+    batch = 2
+    q, k, v = (4 * t for t in _gqa_inputs(g, batch, seq))
+    extra = {"none": dict(causal=False), "causal": dict(causal=True),
+             "window": dict(causal=True, window=5),
+             "cu_seqlens": dict(causal=False, cu_seqlens=(0, 9, seq, seq + 4, 2 * seq)),
+             "key_mask": dict(causal=True, key_mask=_random_key_mask(g, batch, seq))}[masking]
+    return q, k, v, extra
+
+
+@pytest.mark.parametrize("masking", SOFTCAP_MASKINGS)
+def test_softcapped_logits_match_the_reference(masking):
+    """Gemma 2's soft-capped logits (``softcap * tanh(s / softcap)``) under every mask, against
+    float64 attention written out; without the cap the outputs differ."""
+    from cake_sp import reference
+
+    q, k, v, extra = _softcap_problem(masking, 23)
+    got = attention(q, k, v, softmax_scale=0.3, backend="sdpa", softcap=1.0, **extra)
+    want = reference.attention(q, k, v, softmax_scale=0.3, softcap=1.0, **extra)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    uncapped = attention(q, k, v, softmax_scale=0.3, backend="sdpa", **extra)
+    assert (got - uncapped).norm() > 0.1 * want.norm()
+
+
+@pytest.mark.parametrize("masking", SOFTCAP_MASKINGS)
+def test_the_gpu_softcap_path_caps_every_logit(masking, monkeypatch):
+    """The GPU's soft-cap path (flex attention, the cap as its ``score_mod``, one block mask of
+    every mask or none), run eagerly on the CPU, against the CPU's written-out logits: rows of
+    300 tokens, masks across block edges."""
+    from torch.nn.attention import flex_attention
+
+    import cake_sp.attention as core
+
+    monkeypatch.setattr(core, "_compiled", lambda name: getattr(flex_attention, name))
+    q, k, v, extra = _softcap_problem(masking, 300)
+    if masking == "cu_seqlens":
+        extra["cu_seqlens"] = (0, 100, 129, 130, 300, 500, 600)
+    q, k, v = (t.float() for t in (q, k, v))
+    want = attention(q, k, v, softmax_scale=0.3, backend="sdpa", softcap=1.0, **extra)
+    block_mask = None if masking == "none" else core._block_mask(
+        extra["causal"], extra.get("window"), extra.get("cu_seqlens"), extra.get("key_mask"),
+        2, 300, q.device)
+    with warnings.catch_warnings():  # flex attention's note (once) that eager is unfused
+        warnings.simplefilter("ignore", UserWarning)
+        got = core._flex_attention(q, k, v, 0.3, block_mask, core._capped_scores(1.0))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex attention: a GPU")
+@pytest.mark.parametrize("masking", ["none", "window", "key_mask"])
+def test_the_compiled_gpu_softcap_path(masking):
+    """The soft-capped attention on a GPU through ``attention`` (compiled flex attention with
+    the cap as its ``score_mod``; flash-attn's ``softcap`` where it is installed and there is no
+    key mask), forward and backward, against float64 attention written out on the CPU."""
+    from cake_sp import reference
+    from cake_sp.attention import resolve_attention_backend
+
+    q, k, v, extra = _softcap_problem(masking, 200)
+    backend, _ = resolve_attention_backend("auto", torch.device("cuda"))
+    dy = torch.randn_like(q)
+    results = []
+    for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float64)):
+        inputs = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+        options = {n: t.to(device) if isinstance(t, torch.Tensor) else t
+                   for n, t in extra.items()}
+        if device == "cuda":
+            o = attention(*inputs, softmax_scale=0.3, backend=backend, softcap=1.0, **options)
+        else:
+            o = reference.attention(*inputs, softmax_scale=0.3, softcap=1.0, **options)
+        o.backward(dy.to(device, dtype))
+        results.append([t.cpu().double() for t in (o, *(t.grad for t in inputs))])
+    for got, want in zip(*results):
+        assert (got - want).norm() / want.norm() < 1e-2
