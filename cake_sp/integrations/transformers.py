@@ -2,9 +2,10 @@
 
 Every attention module of a Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama, Mistral, Mixtral,
 Granite, Granite-MoE, Seed-OSS, Arcee, Apertus, EXAONE 4, Gemma, Gemma 3 (text), StarCoder2,
-Helium, dots.llm1 or Gemma 2 model (``SUPPORTED``) is replaced
+Helium, dots.llm1, Gemma 2 or Phi-3 model (``SUPPORTED``) is replaced
 by ``TransformersUlyssesAttention``: a ``UlyssesAttention`` holding the same weights
-(``q_proj``, ``k_proj``, ``v_proj`` fused into ``qkv_weight``; per-head QK-norm weights where
+(``q_proj``, ``k_proj``, ``v_proj`` fused into ``qkv_weight``, or Phi-3's ``qkv_proj`` as it
+is; per-head QK-norm weights where
 the model has them; its softmax scale) behind the module's own call contract
 ``forward(hidden_states, position_embeddings, attention_mask=None, **kwargs) ->
 (attn_output, None)``, so the decoder layers need no change.  Each rank then runs
@@ -63,7 +64,7 @@ SUPPORTED = {"Qwen3Attention": "qwen3", "Qwen3MoeAttention": "qwen3_moe",
              "Exaone4Attention": "exaone4", "GemmaAttention": "gemma",
              "Starcoder2Attention": "starcoder2", "HeliumAttention": "helium",
              "Dots1Attention": "dots1", "Gemma2Attention": "gemma2",
-             "Gemma3Attention": "gemma3"}
+             "Gemma3Attention": "gemma3", "Phi3Attention": "phi3"}
 # Those that rotate channel pairs (2i, 2i + 1) rather than (i, i + D/2).
 INTERLEAVED_ROPE = {"HeliumAttention"}
 # Those whose QK norms scale by 1 + weight (zero-centred weights): UlyssesAttention's
@@ -103,7 +104,7 @@ def _sliding_window(attn: nn.Module) -> int | None:
     ``sliding_window`` (Qwen2, Qwen3, their MoE models, dots.llm1, EXAONE 4, whose hybrid
     configurations ``apply_ulysses`` refuses), else the config's, for the layers
     ``config.layer_types`` marks as sliding or for every layer (Mistral, Mixtral,
-    StarCoder2)."""
+    StarCoder2, Phi-3)."""
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window or None
     config = attn.config
@@ -129,11 +130,12 @@ class TransformersUlyssesAttention(nn.Module):
         self.attention_dropout = float(getattr(attn, "attention_dropout", 0.0))
         self.train(attn.training)  # the replaced module's mode, as model.eval() left it
         q_norm = getattr(attn, "q_norm", None)
-        weight = attn.q_proj.weight
+        weight = attn.o_proj.weight
         kind = type(attn).__name__
+        qkv_weight, qkv_bias = _qkv_projection(attn)
         options = dict(
             group=group, max_tokens=math.ceil(config.max_position_embeddings / world_size),
-            qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
+            qkv_bias=qkv_bias is not None, o_bias=attn.o_proj.bias is not None,
             qk_norm=q_norm is not None, qk_norm_offset=NORM_OFFSETS.get(kind, 0.0),
             causal=True, sliding_window=_sliding_window(attn),
             softcap=getattr(attn, "attn_logit_softcapping", None),
@@ -145,7 +147,6 @@ class TransformersUlyssesAttention(nn.Module):
         self.layer = UlyssesAttention(config.hidden_size, config.num_attention_heads,
                                       config.num_key_value_heads, d, **options)
         with torch.no_grad():
-            qkv_weight, qkv_bias = stacked_projections((attn.q_proj, attn.k_proj, attn.v_proj))
             self.layer.qkv_weight.copy_(qkv_weight)
             if self.layer.qkv_bias is not None:
                 self.layer.qkv_bias.copy_(qkv_bias)
@@ -164,6 +165,11 @@ class TransformersUlyssesAttention(nn.Module):
                              "supported by cake_sp's Ulysses attention yet; call the model with "
                              "use_cache=False")
         batch, seq_local = hidden_states.shape[:2]
+        cos, sin = position_embeddings
+        if cos.shape[-1] != self.head_dim:  # the same on every rank: all raise, none waits
+            raise ValueError(f"layer {self.layer_idx}: partial rotary embeddings (RoPE on "
+                             f"{cos.shape[-1]} of head_dim={self.head_dim} channels) are not "
+                             "supported by cake_sp's Ulysses attention")
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, seq_local):
             raise ValueError(
                 f"layer {self.layer_idx}: cake_sp's Ulysses attention takes a 2-D padding mask "
@@ -173,7 +179,6 @@ class TransformersUlyssesAttention(nn.Module):
             raise ValueError(f"layer {self.layer_idx}: attention_dropout="
                              f"{self.attention_dropout} is not supported by cake_sp's Ulysses "
                              "attention (it applies no dropout); set it to 0 for training")
-        cos, sin = position_embeddings
         half = self.head_dim // 2
         given = kwargs.get("cu_seq_lens_q")
         if given is None:
@@ -190,6 +195,16 @@ class TransformersUlyssesAttention(nn.Module):
 
         rope = _ROPE_TABLE.get((cos, sin), (half, batch, seq_local), table)
         return self.layer(hidden_states, rope, cu_seqlens=cu_seqlens), None
+
+
+def _qkv_projection(attn: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """The module's Q, K, V projections as the layer's ``qkv_weight`` and ``qkv_bias``:
+    Phi-3's ``qkv_proj`` as it is (its rows already Q, then K, then V), else ``q_proj``,
+    ``k_proj`` and ``v_proj`` stacked."""
+    fused = getattr(attn, "qkv_proj", None)
+    if fused is not None:
+        return fused.weight, fused.bias
+    return stacked_projections((attn.q_proj, attn.k_proj, attn.v_proj))
 
 
 @torch.compiler.disable

@@ -86,6 +86,9 @@ KINDS = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM",  # per-head QK-norm, global layers
                 dict(sliding_window=None, layer_types=["full_attention"] * 2)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    # Phi-3: one fused qkv_proj; its window (every layer) of 7 keys.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(sliding_window=7, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Gemma 2: soft-capped logits (a cap small enough to matter at random initialisation:
     # without it the logits are 6 % off), a sliding layer then a global one.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
@@ -418,6 +421,10 @@ def case_exaone4_logits(ctx):
 
 def case_gemma_logits(ctx):
     return _check_logits(ctx, "gemma")
+
+
+def case_phi3_logits(ctx):
+    return _check_logits(ctx, "phi3")
 
 
 def case_gemma2_logits(ctx):
@@ -1509,6 +1516,13 @@ def case_unsupported_inputs_raise(ctx):
         "exaone4", sliding_window=4, layer_types=["sliding_attention", "full_attention"]))
     report["bidirectional"] = _refusal(apply_ulysses,
                                        _model("gemma3", use_bidirectional_attention=True))
+    partial = apply_ulysses(_model("phi3", partial_rotary_factor=0.5).bfloat16()
+                            .to(ctx.device))
+    report["partial_rotary"] = _refusal(
+        lambda m: m(torch.randint(0, 256, (1, 8), device=ctx.device),
+                    position_ids=_shard(ctx, torch.zeros(1, 8 * ctx.world_size))[1]
+                    .to(ctx.device)), partial)
+    close(partial)
     report["image_masks"] = _refusal(apply_ulysses, _gemma3_with_vision())
     model = apply_ulysses(_model("qwen3").bfloat16().to(ctx.device))
     ids = torch.randint(0, 256, (1, 8), device=ctx.device)
@@ -1616,7 +1630,7 @@ OUTPUT_CASES = [case_qwen3_logits, case_qwen3_packed_logits,
                 case_exaone4_sliding_logits, case_mixtral_logits,
                 case_granite_logits, case_granitemoe_logits, case_seed_oss_logits,
                 case_arcee_logits, case_apertus_logits, case_exaone4_logits,
-                case_gemma_logits, case_gemma2_logits, case_gemma3_logits,
+                case_gemma_logits, case_gemma2_logits, case_gemma3_logits, case_phi3_logits,
                 case_gemma3_padded_logits,
                 case_starcoder2_logits, case_helium_logits,
                 case_dots1_logits,
@@ -1687,11 +1701,14 @@ def _check_unsupported(world, name, per_rank) -> str:
             r["exaone4_hybrid"], r["exaone4_hybrid"]
         assert "carry adapters (LoRA) not merged" in r["lora"], r["lora"]
         assert "use_bidirectional_attention=True): not supported" in r["bidirectional"], r
+        assert "partial rotary embeddings (RoPE on 32 of head_dim=64 channels)" in \
+            r["partial_rotary"], r["partial_rotary"]
         assert "masks flash-attn cannot express" in r["image_masks"], r["image_masks"]
         assert r["dropout_eval"] == "no error", r["dropout_eval"]
         assert "attention_dropout=0.1 is not supported" in r["dropout_train"], r
     return ("unsupported model, mask, cache, bad cu_seq_lens, an unmerged LoRA, attention "
-            "dropout in training, bidirectional attention and Gemma 3's image masks raised")
+            "dropout in training, bidirectional attention, Gemma 3's image masks and partial "
+            "rotary embeddings raised")
 
 
 def _check_flux_bad_inputs(world, name, per_rank) -> str:
