@@ -77,7 +77,7 @@ _KEY_BLOCK_MASK = LastInputs()
 _BOOL_KEY_MASK = LastInputs()
 # The kept keys' indices of a mask tensor (a host read), likewise.
 _KEPT_KEYS = LastInputs()
-# The block mask of a sliding window (with a key mask or packed sequences), likewise.
+# The block mask of ``_keeps`` (a sliding window's, a soft-capped call's), likewise.
 _BLOCK_MASK = LastInputs()
 
 
@@ -453,8 +453,9 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float |
     """flash-attn over ``q, k, v [B, S, H, D]``: each row one sequence (``cu_seqlens`` None or
     the rows' own bounds), else one varlen call over the packed sequences."""
     batch, seq = q.shape[:2]
-    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                   softcap=softcap)
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+    if softcap:  # only then: flash-attn before 2.6 takes no softcap
+        options["softcap"] = softcap
     if cu_seqlens is None or cu_seqlens == row_bounds(batch, seq):
         from flash_attn import flash_attn_func
         return flash_attn_func(q, k, v, **options)
